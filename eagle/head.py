@@ -1,0 +1,237 @@
+"""The EAGLE-1/2 draft head: one decoder layer that predicts the target's next feature.
+
+    h[t] = fc(concat(embed(x[t+1]), f[t]))          # 2H -> H
+    f_hat[t+1] = DecoderLayer(h)[t]                 # Llama layer without its input norm
+    q(x[t+2]) = softmax(lm_head(f_hat[t+1]))        # the target's own lm_head, shared and frozen
+
+`f` is the target's last hidden state after its final norm. The embedding and lm_head belong to the target: they
+are attached with `head.attach(target)` and are never saved with the head. Checkpoints are a directory with
+`config.json` + `model.safetensors` (see eagle/checkpoint.py).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+SHARED_PREFIXES = ("embed_tokens.", "lm_head.")
+
+
+@dataclass
+class HeadConfig:
+    head_type: str = "eagle1"
+    hidden_size: int = 0
+    vocab_size: int = 0
+    num_attention_heads: int = 0
+    num_key_value_heads: int = 0
+    head_dim: int = 0
+    intermediate_size: int = 0
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    fc_bias: bool = True
+    feature_layer_ids: list[int] = field(default_factory=lambda: [-1])
+    logit_softcap: float | None = None
+    target: str = ""
+    tokenizer_fingerprint: str = ""
+
+    @classmethod
+    def for_target(cls, target, **overrides) -> "HeadConfig":
+        """Shape the head after a target (a TargetModel): same hidden size, heads and vocabulary."""
+        c = target.config
+        heads = c.num_attention_heads
+        rope = getattr(c, "rope_parameters", None) or {}
+        theta = rope.get("rope_theta", getattr(c, "rope_theta", 10000.0))
+        kw = dict(
+            hidden_size=c.hidden_size,
+            vocab_size=target.vocab_size,
+            num_attention_heads=heads,
+            num_key_value_heads=getattr(c, "num_key_value_heads", None) or heads,
+            head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads,
+            intermediate_size=c.intermediate_size,
+            rms_norm_eps=float(getattr(c, "rms_norm_eps", 1e-6)),
+            rope_theta=float(theta),
+            logit_softcap=target.softcap,
+            target=target.name,
+            tokenizer_fingerprint=target.fingerprint,
+        )
+        kw.update(overrides)
+        return cls(**kw)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        var = x.pow(2).mean(-1, keepdim=True)
+        return self.weight * (x * torch.rsqrt(var + self.eps))
+
+
+def rope_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=position_ids.device, dtype=torch.float64) / head_dim))
+    freqs = position_ids[..., None].double() * inv_freq  # [B, T, D/2]
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]  # [B, 1, T, D]
+
+
+def _rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+class HeadCache:
+    """The head's own KV cache: preallocated buffers written at absolute positions (gpt-fast style).
+
+    Rolling back drafted entries is `crop(n)`: stale entries past `length` are overwritten next time.
+    """
+
+    def __init__(self, num_layers: int = 1):
+        self.k: list[torch.Tensor | None] = [None] * num_layers
+        self.v: list[torch.Tensor | None] = [None] * num_layers
+        self.length = 0
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        end = start + k.shape[2]
+        buf = self.k[layer]
+        if buf is None or buf.shape[2] < end or buf.shape[0] != k.shape[0]:
+            cap = max(256, 1 << math.ceil(math.log2(end)))
+            nk = k.new_zeros(k.shape[0], k.shape[1], cap, k.shape[3])
+            nv = torch.zeros_like(nk)
+            if buf is not None and buf.shape[0] == k.shape[0]:
+                nk[:, :, :start] = buf[:, :, :start]
+                nv[:, :, :start] = self.v[layer][:, :, :start]
+            self.k[layer], self.v[layer] = nk, nv
+        self.k[layer][:, :, start:end] = k
+        self.v[layer][:, :, start:end] = v
+        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+
+    def crop(self, n: int) -> None:
+        self.length = min(self.length, n)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: HeadConfig, in_dim: int | None = None):
+        super().__init__()
+        self.nh, self.nkv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        in_dim = in_dim or cfg.hidden_size
+        self.q_proj = nn.Linear(in_dim, self.nh * self.hd, bias=False)
+        self.k_proj = nn.Linear(in_dim, self.nkv * self.hd, bias=False)
+        self.v_proj = nn.Linear(in_dim, self.nkv * self.hd, bias=False)
+        self.o_proj = nn.Linear(self.nh * self.hd, cfg.hidden_size, bias=False)
+
+    def forward(self, x, cos, sin, cache: HeadCache | None, layer: int, mask: torch.Tensor | None):
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.nh, self.hd).transpose(1, 2)
+        k = self.k_proj(x).view(B, T, self.nkv, self.hd).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.nkv, self.hd).transpose(1, 2)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        past = 0
+        if cache is not None:
+            past = cache.length
+            k, v = cache.write(layer, k, v, past)
+        if self.nkv != self.nh:
+            k = k.repeat_interleave(self.nh // self.nkv, dim=1)
+            v = v.repeat_interleave(self.nh // self.nkv, dim=1)
+        if mask is None and T > 1:
+            # causal over the new tokens, everything cached before them visible
+            mask = torch.ones(T, past + T, dtype=torch.bool, device=x.device).tril(past)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.nh * self.hd))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: HeadConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """A Llama decoder layer without the input norm (EAGLE-1/2): the fc output feeds attention directly."""
+
+    def __init__(self, cfg: HeadConfig):
+        super().__init__()
+        self.self_attn = Attention(cfg)
+        self.mlp = MLP(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, cache, layer, mask):
+        h = x + self.self_attn(x, cos, sin, cache, layer, mask)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class EagleHead(nn.Module):
+    """EAGLE-1/2 draft head. Contract: `embed`, `forward` (project + backbone), `logits`."""
+
+    def __init__(self, config: HeadConfig):
+        super().__init__()
+        self.config = config
+        H = config.hidden_size
+        self.fc = nn.Linear(2 * H, H, bias=config.fc_bias)
+        self.layers = nn.ModuleList([DecoderLayer(config)])
+        # Shared with the target, frozen, not saved: set by attach().
+        self.embed_tokens: nn.Module | None = None
+        self.lm_head: nn.Module | None = None
+
+    # -- wiring to the target ------------------------------------------------------------------------------
+    def attach(self, target) -> "EagleHead":
+        """Share the target's embedding and lm_head after checking the head was made for this target."""
+        from eagle.checkpoint import check_compatible
+
+        check_compatible(self.config, target)
+        self.embed_tokens = target.embed
+        self.lm_head = target.lm_head
+        return self
+
+    def init_from_target_layer(self, target, layer: int = -1) -> None:
+        """Start the decoder layer from one of the target's layers (same shapes), a warm start for training."""
+        src = target.base.layers[layer].state_dict()
+        own = self.layers[0].state_dict()
+        self.layers[0].load_state_dict({k: src[k].to(v.dtype) for k, v in own.items() if k in src}, strict=False)
+
+    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
+        return {k: v for k, v in self.state_dict().items() if not k.startswith(SHARED_PREFIXES)}
+
+    # -- the draft-model contract --------------------------------------------------------------------------
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
+    def forward(self, features: torch.Tensor, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                cache: HeadCache | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """features[t] and input_ids[t] (= x[t+1]) -> predicted feature f_hat[t+1]; [B, T, H]."""
+        x = self.fc(torch.cat([self.embed(input_ids).to(features.dtype), features], dim=-1))
+        cos, sin = rope_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta, x.dtype)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, cache, i, mask)
+        if cache is not None:
+            cache.length += input_ids.shape[1]
+        return x
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        out = self.lm_head(hidden)
+        if self.config.logit_softcap:
+            out = torch.tanh(out / self.config.logit_softcap) * self.config.logit_softcap
+        return out
+
+    # -- checkpoints ---------------------------------------------------------------------------------------
+    def save_pretrained(self, path) -> None:
+        from eagle.checkpoint import save_head
+
+        save_head(self, path)
+
+    @classmethod
+    def from_pretrained(cls, path, device="cpu", dtype=torch.float32) -> "EagleHead":
+        from eagle.checkpoint import load_head
+
+        return load_head(path, device=device, dtype=dtype)

