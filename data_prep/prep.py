@@ -1,0 +1,207 @@
+"""Turn a conversation source into tokenized training rows for a draft head: the whole data step in one call.
+
+    from data_prep.prep import PrepConfig, prepare
+    summary = prepare(PrepConfig(target="smollm2-135m", data="sharegpt", out="runs/data", max_rows=300))
+    print(summary.format())
+
+Steps: read and normalize conversations (sources.py), optionally rewrite the replies with the target
+(regenerate.py), render each with the target's chat template and mask the assistant tokens (render.py), split
+off a validation set, and write into `out/`:
+
+    train.jsonl, val.jsonl        one {"input_ids": [...], "loss_mask": [...]} per line
+    val_conversations.jsonl       the messages of each validation row ({"messages": [...]}), for evaluation prompts
+    summary.json                  counts: rows read, kept, dropped by reason, tokens, masked fraction
+    prep_config.yaml              the resolved PrepConfig
+
+Every file is written under a temporary name and renamed, so a killed run never leaves a half-written file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from data_prep.regenerate import regenerate_with_stats
+from data_prep.render import Example, SkipRow, check_chat_template, render_example
+from data_prep.sources import DataError, first_turns, load_conversations
+from eagle.configio import save_config
+
+
+@dataclass
+class PrepConfig:
+    target: str                    # alias, .gguf, local dir or hub id (eagle.target.load_target)
+    data: str                      # "sharegpt", a .json/.jsonl/.parquet file, or a hub dataset name
+    out: str                       # output directory
+    max_rows: int | None = None    # rows read from `data` (kept + dropped); None reads all
+    regenerate: bool = False       # rewrite the assistant replies with the target's greedy replies
+    max_new_tokens: int = 256      # per regenerated reply
+    regen_batch_size: int = 32
+    max_length: int = 2048         # rows longer than this (in tokens) are dropped as too_long, never cut
+    val_fraction: float = 0.05
+    seed: int = 0                  # for the train / validation split
+    max_turns: int | None = None   # keep the first N assistant turns of each conversation; None keeps all
+
+
+@dataclass
+class PrepSummary:
+    rows_read: int
+    kept: int
+    dropped: dict[str, int]        # reason -> rows (source and render reasons together)
+    train_rows: int
+    val_rows: int
+    tokens: int
+    assistant_tokens: int
+    masked_fraction: float         # assistant_tokens / tokens
+    seconds: float
+    source_note: str = ""          # e.g. the truncated tail of the embedded ShareGPT file
+    trimmed: dict[str, int] = field(default_factory=dict)  # reason -> rows kept but shortened
+    regenerated_replies: int = 0
+    out: str = ""
+
+    def format(self) -> str:
+        def reasons(d: dict[str, int]) -> str:
+            return ", ".join(f"{k} {v:,}" for k, v in sorted(d.items(), key=lambda kv: -kv[1])) or "none"
+
+        lines = [
+            f"rows read {self.rows_read:,}: kept {self.kept:,}, dropped {sum(self.dropped.values()):,} "
+            f"({reasons(self.dropped)})",
+            f"trimmed rows: {reasons(self.trimmed)}",
+            f"split: train {self.train_rows:,}, validation {self.val_rows:,}",
+            f"tokens {self.tokens:,}, assistant (masked) {self.assistant_tokens:,} ({self.masked_fraction:.1%})",
+        ]
+        if self.regenerated_replies:
+            lines.append(f"regenerated replies: {self.regenerated_replies:,}")
+        if self.source_note:
+            lines.append(f"note: {self.source_note}")
+        lines.append(f"wrote {self.out} in {self.seconds:.1f}s")
+        return "\n".join(lines)
+
+
+def _write_atomic(path: Path, write) -> None:
+    """Call write(file) on a temporary sibling of `path`, then rename it into place."""
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    with open(tmp, "w", encoding="utf-8") as f:
+        write(f)
+    os.replace(tmp, path)
+
+
+def _write_jsonl(path: Path, rows: list[dict]) -> None:
+    def write(f):
+        for row in rows:
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+
+    _write_atomic(path, write)
+
+
+def split_indices(n: int, val_fraction: float, seed: int) -> tuple[list[int], list[int]]:
+    """Deterministic (train, val) index lists, each in ascending order; at least one val row when n >= 2."""
+    n_val = 0 if n < 2 else min(n - 1, max(1, round(n * val_fraction)))
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
+    return sorted(perm[n_val:]), sorted(perm[:n_val])
+
+
+def _check_config(cfg: PrepConfig) -> None:
+    if not 0.0 <= cfg.val_fraction < 1.0:
+        raise DataError(f"val_fraction must be in [0, 1), got {cfg.val_fraction}")
+    if cfg.max_length <= 0 or (cfg.max_rows is not None and cfg.max_rows <= 0):
+        raise DataError(f"max_length and max_rows must be positive, got {cfg.max_length} and {cfg.max_rows}")
+    if cfg.max_turns is not None and cfg.max_turns <= 0:
+        raise DataError(f"max_turns must be positive or None, got {cfg.max_turns}")
+    if cfg.regenerate and cfg.max_length <= cfg.max_new_tokens:
+        raise DataError(f"max_length {cfg.max_length} leaves no room for a prompt with "
+                        f"max_new_tokens {cfg.max_new_tokens}")
+
+
+def prepare(cfg: PrepConfig, target=None) -> PrepSummary:
+    """Run the data step described in the module docstring; `target` (a TargetModel) is loaded if not given."""
+    t0 = time.perf_counter()
+    _check_config(cfg)  # before the slow parts
+    if target is None:
+        from eagle.target import load_target
+
+        target = load_target(cfg.target)
+    tok = target.tokenizer
+    check_chat_template(tok)  # fail before reading any data
+
+    convs, src = load_conversations(cfg.data, cfg.max_rows, allow_no_assistant=cfg.regenerate)
+    dropped, trimmed = Counter(src.dropped), Counter(src.trimmed)
+    replies = 0
+    ended = [None] * len(convs)
+    if cfg.regenerate:
+        # A prompt longer than this cannot give a row that surely fits in max_length.
+        max_prompt = cfg.max_length - cfg.max_new_tokens
+        regen = regenerate_with_stats(target, convs, cfg.max_new_tokens, cfg.regen_batch_size, max_prompt,
+                                      cfg.max_turns)
+        replies, convs, ended = regen.replies, regen.conversations, regen.ended
+    else:
+        convs = [first_turns(c, cfg.max_turns) for c in convs]
+
+    examples, kept_convs = [], []
+    for msgs, why in zip(tqdm(convs, desc="render", unit="row"), ended):
+        if not any(m["role"] == "assistant" for m in msgs):
+            dropped[why or "no_assistant"] += 1  # regeneration ended it before its first reply
+            continue
+        if why is not None:
+            trimmed[why] += 1  # regeneration ended it after some replies: the row keeps those
+        try:
+            examples.append(render_example(tok, msgs, cfg.max_length, end_ids=target.eos_ids))
+        except SkipRow as e:
+            dropped[e.reason] += 1
+            continue
+        kept_convs.append(msgs)
+    if not examples:
+        hint = "; prompt-only rows (turns) need regenerate=true" if dropped["no_assistant"] else ""
+        raise DataError(f"data {cfg.data!r}: no usable rows out of {src.rows_read:,} read "
+                        f"(dropped: {dict(dropped)}){hint}")
+
+    train_idx, val_idx = split_indices(len(examples), cfg.val_fraction, cfg.seed)
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    _write_jsonl(out / "train.jsonl", [dataclasses.asdict(examples[i]) for i in train_idx])
+    _write_jsonl(out / "val.jsonl", [dataclasses.asdict(examples[i]) for i in val_idx])
+    _write_jsonl(out / "val_conversations.jsonl", [{"messages": kept_convs[i]} for i in val_idx])
+
+    tokens = sum(len(ex.input_ids) for ex in examples)
+    masked = sum(sum(ex.loss_mask) for ex in examples)
+    summary = PrepSummary(
+        rows_read=src.rows_read, kept=len(examples), dropped=dict(sorted(dropped.items())),
+        train_rows=len(train_idx), val_rows=len(val_idx), tokens=tokens, assistant_tokens=masked,
+        masked_fraction=masked / tokens, seconds=0.0, source_note=src.note,
+        trimmed=dict(sorted(trimmed.items())),
+        regenerated_replies=replies, out=str(out),
+    )
+    tmp = out / f"prep_config.yaml.tmp{os.getpid()}"
+    save_config(cfg, tmp)
+    os.replace(tmp, out / "prep_config.yaml")
+    summary.seconds = time.perf_counter() - t0
+    _write_atomic(out / "summary.json", lambda f: json.dump(dataclasses.asdict(summary), f, indent=2))
+    return summary
+
+
+def load_examples(path: str | Path) -> list[Example]:
+    """Read a train.jsonl / val.jsonl written by `prepare` back into Examples."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"examples file {str(path)!r} does not exist")
+    examples = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                ex = Example(input_ids=row["input_ids"], loss_mask=row["loss_mask"])
+            except (json.JSONDecodeError, KeyError, TypeError):
+                raise DataError(f"{path}:{lineno}: not an {{input_ids, loss_mask}} row") from None
+            if len(ex.input_ids) != len(ex.loss_mask):
+                raise DataError(f"{path}:{lineno}: input_ids and loss_mask differ in length")
+            examples.append(ex)
+    return examples

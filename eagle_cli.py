@@ -1,0 +1,137 @@
+"""The `eagle` command: prep, train, eval, generate.
+
+    eagle prep --target smollm2-135m --data sharegpt --out runs/demo/data --max-rows 300 --regenerate
+    eagle train --config configs/smollm2-135m-eagle1.yaml budget.minutes=10
+    eagle eval --target smollm2-135m --draft runs/demo/head --data prompts.jsonl --out runs/demo/eval
+    eagle generate --target smollm2-135m --draft runs/demo/head --prompt "Tell me about owls."
+
+Options of prep and eval are the fields of their config dataclasses (PrepConfig, EvalConfig): the defaults live
+there only. Errors in the input end the command with one line naming the input and the problem.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import typing
+
+
+def _add_dataclass_args(parser: argparse.ArgumentParser, cls, positional_free: bool = True) -> None:
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        flag = "--" + f.name.replace("_", "-")
+        tp = hints[f.name]
+        if tp is bool:
+            parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None)
+        else:
+            default = f.default if f.default is not dataclasses.MISSING else None
+            parser.add_argument(flag, dest=f.name, default=None, metavar=f.name.upper(),
+                                help=f"default: {default}" if default not in (None, "") else None)
+
+
+def _config_from_args(cls, args: argparse.Namespace, required: tuple[str, ...] = ()):
+    from eagle.configio import from_dict
+
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if getattr(args, f.name) is not None}
+    missing = [r for r in required if r not in values]
+    if missing:
+        raise ValueError(f"missing required option --{missing[0].replace('_', '-')}")
+    return from_dict(cls, values)
+
+
+def cmd_prep(args) -> None:
+    from data_prep.prep import PrepConfig, prepare
+
+    cfg = _config_from_args(PrepConfig, args, required=("target", "data", "out"))
+    summary = prepare(cfg)
+    print(summary.format())
+
+
+def cmd_train(args) -> None:
+    from eagle.configio import load_config
+    from train.config import TrainConfig
+    from train.loop import train
+
+    cfg = load_config(TrainConfig, args.config, args.overrides)
+    train(cfg)
+
+
+def cmd_eval(args) -> None:
+    from infer.evaluate import EvalConfig, evaluate, markdown
+
+    cfg = _config_from_args(EvalConfig, args, required=("data",))
+    report = evaluate(cfg)
+    print(markdown(report))
+    print(f"report: {cfg.out}/report.json, {cfg.out}/report.md")
+
+
+def cmd_generate(args) -> None:
+    from infer import SpeculativeDecoder
+
+    dec = SpeculativeDecoder.from_pretrained(args.target, args.draft,
+                                             num_speculative_tokens=args.num_speculative_tokens)
+    tok = dec.target.tokenizer
+    stream = dec.stream(args.prompt, args.max_new_tokens, speculative=bool(args.draft))
+    ids, shown = [], ""
+    while True:
+        try:
+            ids += next(stream)
+        except StopIteration as stop:
+            out = stop.value
+            break
+        text = tok.decode(ids, skip_special_tokens=True)
+        print(text[len(shown):], end="", flush=True)
+        shown = text
+    print()
+    print(f"[{len(out.token_ids)} tokens in {out.total_s:.2f}s, {out.tokens_per_s:.1f} tok/s"
+          + (f", tau {out.tau:.2f} over {out.rounds} rounds" if out.rounds else "") + f", stop: {out.stop_reason}]",
+          file=sys.stderr)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from data_prep.prep import PrepConfig
+    from infer.evaluate import EvalConfig
+
+    p = argparse.ArgumentParser(prog="eagle", description="Train EAGLE draft heads and decode with them.")
+    sub = p.add_subparsers(dest="command", required=True)
+    sp = sub.add_parser("prep", help="chat data -> tokenized rows with assistant loss masks")
+    _add_dataclass_args(sp, PrepConfig)
+    sp.set_defaults(func=cmd_prep)
+    st = sub.add_parser("train", help="train a draft head from a YAML config plus key=value overrides")
+    st.add_argument("--config", required=False, default=None)
+    st.add_argument("overrides", nargs="*", help="dotted key=value, e.g. optim.lr=1e-4 budget.minutes=5")
+    st.set_defaults(func=cmd_train)
+    se = sub.add_parser("eval", help="baseline vs speculative decoding on a prompt set")
+    _add_dataclass_args(se, EvalConfig)
+    se.set_defaults(func=cmd_eval)
+    sg = sub.add_parser("generate", help="stream a completion and print the statistics")
+    sg.add_argument("--target", default="smollm2-135m")
+    sg.add_argument("--draft", default=None)
+    sg.add_argument("--prompt", required=True)
+    sg.add_argument("--max-new-tokens", type=int, default=128)
+    sg.add_argument("--num-speculative-tokens", type=int, default=4)
+    sg.set_defaults(func=cmd_generate)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        args.func(args)
+    except KeyboardInterrupt:
+        print(f"eagle {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except (ValueError, OSError, RuntimeError) as e:
+        # Bad input raises our errors (ValueError subclasses, TrainError) with one line naming the input; any
+        # other RuntimeError is a bug and keeps its traceback.
+        if isinstance(e, RuntimeError) and type(e).__name__ != "TrainError":
+            raise
+        print(f"eagle {args.command}: error: {str(e).splitlines()[0] if str(e) else type(e).__name__}",
+              file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,171 @@
+"""Measure a head: plain greedy and speculative decoding on the same prompts, in one process, after a warm-up.
+
+    eagle eval --target smollm2-135m --draft runs/demo/head --data ../shared/evaldata/mt_bench.jsonl \
+        --num-prompts 20 --max-new-tokens 128 --mode chain --num-speculative-tokens 4 --out runs/eval
+
+Prompt files: one JSON object a line with `turns` (the first turn is used; `question_id`, `category` optional),
+or `messages` / `conversations` (the first user turn), or `prompt`. Writes `report.json` and `report.md`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import defaultdict
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from eagle import load_target
+from infer.decoder import GenerateOutput, SpeculativeDecoder
+
+
+class EvalError(ValueError):
+    pass
+
+
+@dataclass
+class EvalConfig:
+    target: str = "smollm2-135m"
+    draft: str = ""
+    data: str = ""
+    out: str = "runs/eval"
+    num_prompts: int = 20
+    max_new_tokens: int = 128
+    mode: str = "chain"
+    num_speculative_tokens: int = 4
+    warmup: int = 1  # prompts decoded once, unmeasured, before timing starts
+    num_threads: int = 0
+
+
+def _first_user_turn(row: dict) -> str | None:
+    if isinstance(row.get("turns"), list) and row["turns"]:
+        return str(row["turns"][0])
+    for key, role_key, text_key in (("messages", "role", "content"), ("conversations", "from", "value")):
+        if isinstance(row.get(key), list):
+            for m in row[key]:
+                if isinstance(m, dict) and m.get(role_key) in ("user", "human"):
+                    return str(m.get(text_key, ""))
+    for key in ("prompt", "question", "instruction"):
+        if isinstance(row.get(key), str):
+            return row[key]
+    return None
+
+
+def load_prompts(spec: str, n: int) -> list[dict]:
+    """Prompts from a local JSONL file (see module docstring) or a hub dataset name."""
+    path = Path(spec)
+    if path.suffix in (".jsonl", ".json") or path.exists():
+        if not path.exists():
+            raise EvalError(f"prompt file {spec!r} does not exist")
+        rows = []
+        for i, line in enumerate(path.read_text().splitlines()):
+            if line.strip():
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as e:
+                    raise EvalError(f"prompt file {spec!r} line {i + 1} is not valid JSON: {e.msg}") from None
+    else:
+        from datasets import load_dataset
+
+        try:
+            rows = list(load_dataset(spec, split="test" if "test" in spec else "train"))
+        except Exception as e:  # the hub client raises many types; name the input and the first line of why
+            raise EvalError(f"prompt set {spec!r} is neither a local file nor a loadable hub dataset: "
+                            f"{str(e).splitlines()[0]}") from None
+    prompts = []
+    for i, row in enumerate(rows):
+        text = _first_user_turn(row) if isinstance(row, dict) else None
+        if text:
+            prompts.append({"question_id": row.get("question_id", row.get("id", i)),
+                            "category": row.get("category", "all"), "prompt": text})
+        if len(prompts) == n:
+            break
+    if not prompts:
+        raise EvalError(f"prompt set {spec!r} has no usable prompt (expected `turns`, `messages` or `prompt`)")
+    return prompts
+
+
+def acceptance_per_position(accept_lengths: list[int], k: int) -> list[float]:
+    """Fraction of rounds whose accepted path reached draft position i (1-based), i = 1..k."""
+    if not accept_lengths:
+        return [0.0] * k
+    a = torch.tensor(accept_lengths)
+    return [float((a >= i).float().mean()) for i in range(1, k + 1)]
+
+
+def _summary(pairs: list[tuple[GenerateOutput, GenerateOutput]], k: int) -> dict:
+    acc = [a for _, s in pairs for a in s.accept_lengths]
+    rounds = sum(s.rounds for _, s in pairs)
+    base_tok, spec_tok = sum(len(b.token_ids) for b, _ in pairs), sum(len(s.token_ids) for _, s in pairs)
+    base_s, spec_s = sum(b.total_s for b, _ in pairs), sum(s.total_s for _, s in pairs)
+    return {
+        "tau": (sum(acc) + rounds) / max(rounds, 1),
+        "acceptance_per_position": acceptance_per_position(acc, k),
+        "baseline_tokens_per_s": base_tok / base_s if base_s else 0.0,
+        "spec_tokens_per_s": spec_tok / spec_s if spec_s else 0.0,
+        "speedup": (spec_tok / spec_s) / (base_tok / base_s) if base_s and spec_s and base_tok else 0.0,
+        "lossless": sum(b.token_ids == s.token_ids for b, s in pairs) / max(len(pairs), 1),
+        "draft_s": sum(s.draft_s for _, s in pairs),
+        "verify_s": sum(s.verify_s for _, s in pairs),
+        "num_prompts": len(pairs),
+    }
+
+
+def evaluate(cfg: EvalConfig, decoder: SpeculativeDecoder | None = None) -> dict:
+    if cfg.mode != "chain":
+        raise EvalError(f"--mode {cfg.mode!r} is not supported yet (supported: chain)")
+    if cfg.num_threads:
+        torch.set_num_threads(cfg.num_threads)
+    prompts = load_prompts(cfg.data, cfg.num_prompts)
+    dec = decoder or SpeculativeDecoder.from_pretrained(load_target(cfg.target), cfg.draft or None)
+    k = cfg.num_speculative_tokens
+    for p in prompts[: cfg.warmup]:
+        dec.generate(p["prompt"], min(cfg.max_new_tokens, 16), speculative=False)
+        dec.generate(p["prompt"], min(cfg.max_new_tokens, 16), num_speculative_tokens=k)
+    pairs, per_prompt = [], []
+    t0 = time.perf_counter()
+    for i, p in enumerate(prompts):
+        base = dec.generate(p["prompt"], cfg.max_new_tokens, speculative=False)
+        spec = dec.generate(p["prompt"], cfg.max_new_tokens, num_speculative_tokens=k)
+        pairs.append((base, spec))
+        per_prompt.append({"question_id": p["question_id"], "category": p["category"],
+                           "prompt_token_ids": dec.encode(p["prompt"]), "baseline_token_ids": base.token_ids,
+                           "spec_token_ids": spec.token_ids, "accept_lengths": spec.accept_lengths,
+                           "tau": spec.tau, "baseline_s": base.total_s, "spec_s": spec.total_s})
+        print(f"[{i + 1}/{len(prompts)}] {p['category']}: tau {spec.tau:.2f}, "
+              f"{base.tokens_per_s:.1f} -> {spec.tokens_per_s:.1f} tok/s, "
+              f"{'identical' if base.token_ids == spec.token_ids else 'DIFFERENT'}", flush=True)
+    by_cat = defaultdict(list)
+    for (b, s), p in zip(pairs, prompts):
+        by_cat[p["category"]].append((b, s))
+    report = {
+        "settings": asdict(cfg),
+        **_summary(pairs, k),
+        "per_category": {c: _summary(v, k) for c, v in sorted(by_cat.items())},
+        "seconds": time.perf_counter() - t0,
+        "prompts": per_prompt,
+    }
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "report.json").write_text(json.dumps(report, indent=1))
+    (out / "report.md").write_text(markdown(report))
+    return report
+
+
+def markdown(r: dict) -> str:
+    s = r["settings"]
+    lines = [f"# Speculative decoding: {s['target']} + {s['draft']}", "",
+             f"{r['num_prompts']} prompts from `{s['data']}`, {s['max_new_tokens']} new tokens, mode {s['mode']}, "
+             f"k = {s['num_speculative_tokens']}", "",
+             "| set | prompts | tau | baseline tok/s | speculative tok/s | speedup | lossless |",
+             "|---|---|---|---|---|---|---|"]
+    rows = [("all", r)] + list(r["per_category"].items())
+    for name, m in rows:
+        lines.append(f"| {name} | {m['num_prompts']} | {m['tau']:.2f} | {m['baseline_tokens_per_s']:.1f} | "
+                     f"{m['spec_tokens_per_s']:.1f} | {m['speedup']:.2f}x | {m['lossless']:.2f} |")
+    lines += ["", "Acceptance by draft position: " +
+              ", ".join(f"{i + 1}: {a:.2f}" for i, a in enumerate(r["acceptance_per_position"])),
+              f"Time drafting {r['draft_s']:.1f}s, verifying {r['verify_s']:.1f}s (speculative runs).", ""]
+    return "\n".join(lines)

@@ -1,0 +1,78 @@
+"""The training config: one nested dataclass is the schema for YAML presets, CLI overrides and Python.
+
+    from train.config import TrainConfig
+    from eagle.configio import load_config
+    cfg = load_config(TrainConfig, "configs/smollm2-135m-eagle1.yaml", ["budget.minutes=5"])
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ModelConfig:
+    target: str = "smollm2-135m"
+    head_type: str = "eagle1"
+    # "target_last_layer": start the head's decoder layer from the target's last layer; "random": from scratch
+    init: str = "target_last_layer"
+    dtype: str = "float32"
+
+
+@dataclass
+class DataConfig:
+    prepared: str = "runs/demo/data"  # a directory written by `eagle prep`
+    max_length: int = 1024  # longer training rows are cut (the loss mask is cut with them)
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    warmup_steps: int = 20
+    grad_clip: float = 0.5
+    batch_tokens: int = 8192  # padded tokens per batch (rows of similar length are batched together)
+
+
+@dataclass
+class LossConfig:
+    feature_weight: float = 1.0  # smooth-L1 on the next feature
+    ce_weight: float = 0.1  # cross-entropy against the target's distribution
+    # Cross-entropy over only the `ce_vocab` most frequent assistant tokens of the training data (0: full vocab).
+    # p and q are both renormalised over that subset; it cuts the dominant lm_head cost of the loss.
+    ce_vocab: int = 0
+    noise: float = 0.2  # width of the uniform noise added to input features (EAGLE: U(-0.1, 0.1))
+
+
+@dataclass
+class BudgetConfig:
+    max_steps: int = 0  # 0: no step limit
+    minutes: float = 0.0  # 0: no time limit
+    epochs: float = 0.0  # 0: no epoch limit
+
+
+@dataclass
+class EvalConfig:
+    every_minutes: float = 3.0  # validate this often (and at the end); the best checkpoint is kept
+    num_prompts: int = 4  # held-out prompts decoded speculatively to measure tau
+    max_new_tokens: int = 64
+    num_speculative_tokens: int = 4
+
+
+@dataclass
+class TrainConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    budget: BudgetConfig = field(default_factory=BudgetConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    run_dir: str = "runs/demo/train"  # checkpoints, logs, resolved config
+    out: str = "runs/demo/head"  # the best head, as a loadable checkpoint directory
+    save_every_minutes: float = 2.0
+    log_every: int = 10
+    seed: int = 0
+    # "memory": run the target once over all rows before training and keep its features; "online": every step
+    features: str = "memory"
+    num_threads: int = 0  # torch threads (0: torch's default)

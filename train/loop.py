@@ -1,0 +1,320 @@
+"""Train an EAGLE-1 head on rows prepared by `eagle prep`; resumable, budgeted by steps, minutes or epochs.
+
+    eagle train --config configs/smollm2-135m-eagle1.yaml budget.minutes=10
+
+Loss (EAGLE-1): smooth-L1 between the predicted and the target's next feature, plus `ce_weight` x the
+cross-entropy of the draft distribution q against the target's distribution p at that position. Input features
+get uniform noise. Rerunning the same command resumes from `run_dir/checkpoint` (written whole or not at all);
+the head with the best validation tau is exported to `out`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from data_prep.prep import load_examples
+from eagle import EagleHead, HeadConfig, TargetModel, load_target
+from eagle.checkpoint import load_head, save_head
+from eagle.configio import save_config
+from train.config import TrainConfig
+
+
+class TrainError(RuntimeError):
+    pass
+
+
+# -- data ---------------------------------------------------------------------------------------------------------
+def load_rows(cfg: TrainConfig, split: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    path = Path(cfg.data.prepared) / f"{split}.jsonl"
+    if not path.exists():
+        raise TrainError(f"prepared data {str(path)!r} does not exist: run `eagle prep --out {cfg.data.prepared}` first")
+    rows = []
+    for ex in load_examples(path):
+        ids = torch.tensor(ex.input_ids[: cfg.data.max_length])
+        mask = torch.tensor(ex.loss_mask[: cfg.data.max_length], dtype=torch.bool)
+        if mask[2:].any():  # a row must have something to learn (predictions start two tokens in)
+            rows.append((ids, mask))
+    if not rows:
+        raise TrainError(f"prepared data {str(path)!r} has no row with assistant tokens")
+    return rows
+
+
+def make_batches(lengths: list[int], batch_tokens: int, gen: torch.Generator) -> list[list[int]]:
+    """Group rows of similar length so a padded batch holds about `batch_tokens` tokens; shuffled batch order."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    batches, cur = [], []
+    for i in order:
+        if cur and (len(cur) + 1) * lengths[i] > batch_tokens:
+            batches.append(cur)
+            cur = []
+        cur.append(i)
+    if cur:
+        batches.append(cur)
+    perm = torch.randperm(len(batches), generator=gen).tolist()
+    return [batches[p] for p in perm]
+
+
+def collate(rows, feats, idx: list[int]):
+    T = max(rows[i][0].shape[0] for i in idx)
+    B, H = len(idx), feats[idx[0]].shape[-1]
+    ids = torch.zeros(B, T, dtype=torch.long)
+    mask = torch.zeros(B, T, dtype=torch.bool)
+    f = torch.zeros(B, T, H, dtype=feats[idx[0]].dtype)
+    for b, i in enumerate(idx):
+        n = rows[i][0].shape[0]
+        ids[b, :n], mask[b, :n], f[b, :n] = rows[i][0], rows[i][1], feats[i]
+    return ids, mask, f
+
+
+@torch.inference_mode()
+def target_features(target: TargetModel, rows, desc: str) -> list[torch.Tensor]:
+    """Run the target once over every row (batched by length) and keep its post-norm last hidden states."""
+    out: list[torch.Tensor | None] = [None] * len(rows)
+    order = sorted(range(len(rows)), key=lambda i: rows[i][0].shape[0])
+    bar = tqdm(total=sum(r[0].shape[0] for r in rows), desc=desc, unit="tok", dynamic_ncols=True)
+    i = 0
+    while i < len(order):
+        T = rows[order[i]][0].shape[0]
+        j = i + max(1, 4096 // T)
+        idx = order[i:j]
+        T = max(rows[k][0].shape[0] for k in idx)
+        ids = torch.zeros(len(idx), T, dtype=torch.long)
+        for b, k in enumerate(idx):
+            ids[b, : rows[k][0].shape[0]] = rows[k][0]  # right padding: causal attention keeps rows intact
+        feats = target.features(ids.to(target.device)).float().cpu()
+        for b, k in enumerate(idx):
+            out[k] = feats[b, : rows[k][0].shape[0]].clone()
+        bar.update(sum(rows[k][0].shape[0] for k in idx))
+        i = j
+    bar.close()
+    return out
+
+
+def draft_vocab(rows, vocab_size: int, n: int) -> torch.Tensor | None:
+    """The n most frequent assistant tokens of the training rows (sorted ids), or None for the full vocabulary."""
+    if n <= 0 or n >= vocab_size:
+        return None
+    counts = torch.zeros(vocab_size)
+    for ids, mask in rows:
+        counts.index_add_(0, ids[mask], torch.ones(int(mask.sum())))
+    return counts.topk(n).indices.sort().values
+
+
+# -- loss ---------------------------------------------------------------------------------------------------------
+def eagle1_loss(head: EagleHead, target: TargetModel, ids, mask, feats, cfg: TrainConfig, vocab, gen):
+    """Predict feature t+1 from (feature t, token t+1); scored where token t+2 is an assistant token."""
+    B, T = ids.shape
+    noise = (torch.rand(feats[:, :-1].shape, generator=gen) - 0.5) * cfg.loss.noise
+    x = feats[:, :-1] + noise.to(feats.dtype)
+    pos = torch.arange(T - 1)[None].expand(B, -1)
+    pred = head(x, ids[:, 1:], pos)
+    want = feats[:, 1:]
+    w = torch.zeros(B, T - 1)
+    w[:, :-1] = mask[:, 2:].float()
+    n = w.sum().clamp(min=1)
+    feat_loss = (F.smooth_l1_loss(pred, want, reduction="none").mean(-1) * w).sum() / n
+    W = head.lm_head.weight if vocab is None else head.lm_head.weight[vocab]
+    with torch.no_grad():
+        p = F.softmax(F.linear(want, W), dim=-1)
+    log_q = F.log_softmax(F.linear(pred, W), dim=-1)
+    ce = (-(p * log_q).sum(-1) * w).sum() / n
+    acc = ((log_q.argmax(-1) == p.argmax(-1)).float() * w).sum() / n
+    loss = cfg.loss.feature_weight * feat_loss + cfg.loss.ce_weight * ce
+    return loss, {"loss": loss.item(), "feat": feat_loss.item(), "ce": ce.item(), "acc": acc.item(), "tokens": int(n)}
+
+
+# -- checkpoints --------------------------------------------------------------------------------------------------
+def save_checkpoint(run: Path, head, opt, state: dict) -> None:
+    """run/checkpoint holds head + optimizer + trainer state; written in a temp dir, then renamed."""
+    tmp = run / f"checkpoint.tmp{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    save_head(head, tmp / "head")
+    torch.save(opt.state_dict(), tmp / "optimizer.pt")
+    (tmp / "state.json").write_text(json.dumps(state))
+    final, old = run / "checkpoint", run / f"checkpoint.old{os.getpid()}"
+    if final.exists():
+        os.replace(final, old)
+    os.replace(tmp, final)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def val_prompts(cfg: TrainConfig) -> list[str]:
+    path = Path(cfg.data.prepared) / "val_conversations.jsonl"
+    prompts = []
+    if path.exists():
+        for line in path.read_text().splitlines():
+            msgs = json.loads(line).get("messages", [])
+            user = next((m["content"] for m in msgs if m["role"] == "user"), None)
+            if user:
+                prompts.append(user)
+    return prompts[: cfg.eval.num_prompts]
+
+
+def validate(head, target, val_rows, val_feats, prompts, cfg: TrainConfig, vocab) -> dict:
+    """Teacher-forced loss / top-1 agreement on held-out rows, and tau from real chain decoding on held-out prompts."""
+    from infer import SpeculativeDecoder
+
+    head.eval()
+    gen = torch.Generator().manual_seed(0)
+    stats, n = {"val_loss": 0.0, "val_acc": 0.0}, 0
+    with torch.no_grad():
+        for idx in make_batches([r[0].shape[0] for r in val_rows], cfg.optim.batch_tokens, gen):
+            ids, mask, feats = collate(val_rows, val_feats, idx)
+            _, m = eagle1_loss(head, target, ids, mask, feats, cfg, vocab, gen)
+            stats["val_loss"] += m["loss"] * m["tokens"]
+            stats["val_acc"] += m["acc"] * m["tokens"]
+            n += m["tokens"]
+    stats = {k: v / max(n, 1) for k, v in stats.items()}
+    if prompts:
+        dec = SpeculativeDecoder(target, head)
+        emitted = rounds = 0
+        for p in prompts:
+            out = dec.generate(p, cfg.eval.max_new_tokens, num_speculative_tokens=cfg.eval.num_speculative_tokens)
+            emitted += sum(out.accept_lengths) + out.rounds
+            rounds += out.rounds
+        stats["val_tau"] = emitted / max(rounds, 1)
+    head.train()
+    return stats
+
+
+# -- the loop -----------------------------------------------------------------------------------------------------
+def train(cfg: TrainConfig, target: TargetModel | None = None) -> dict:
+    from accelerate import Accelerator
+
+    if cfg.model.head_type != "eagle1":
+        raise TrainError(f"model.head_type {cfg.model.head_type!r} is not supported yet (supported: eagle1)")
+    if not (cfg.budget.max_steps or cfg.budget.minutes or cfg.budget.epochs):
+        raise TrainError("set a budget: budget.max_steps, budget.minutes or budget.epochs")
+    if cfg.num_threads:
+        torch.set_num_threads(cfg.num_threads)
+    run = Path(cfg.run_dir)
+    run.mkdir(parents=True, exist_ok=True)
+    state_file = run / "checkpoint" / "state.json"
+    state = json.loads(state_file.read_text()) if state_file.exists() else None
+    if state and state.get("done"):
+        print(f"training in {run} already finished at step {state['step']}; best head in {cfg.out}")
+        return state
+    save_config(cfg, run / "config.yaml")
+
+    accelerator = Accelerator(cpu=not torch.cuda.is_available())
+    dtype = getattr(torch, cfg.model.dtype)
+    target = target or load_target(cfg.model.target, device=accelerator.device, dtype=dtype)
+    rows, val_rows = load_rows(cfg, "train"), load_rows(cfg, "val")
+    vocab = draft_vocab(rows, target.vocab_size, cfg.loss.ce_vocab)
+    t_feat = time.perf_counter()
+    feats = target_features(target, rows, "target features (train)")
+    val_feats = target_features(target, val_rows, "target features (val)")
+    feat_s = time.perf_counter() - t_feat
+    prompts = val_prompts(cfg)
+
+    if state:
+        head = load_head(run / "checkpoint" / "head", device=accelerator.device, dtype=dtype).attach(target)
+    else:
+        torch.manual_seed(cfg.seed)
+        head = EagleHead(HeadConfig.for_target(target)).to(device=accelerator.device, dtype=dtype).attach(target)
+        if cfg.model.init == "target_last_layer":
+            head.init_from_target_layer(target)
+    head.train()
+    params = [p for n, p in head.named_parameters() if p.requires_grad and not n.startswith(("embed_tokens.", "lm_head."))]
+    opt = torch.optim.AdamW(params, lr=cfg.optim.lr, betas=tuple(cfg.optim.betas), weight_decay=cfg.optim.weight_decay)
+    if state:
+        opt.load_state_dict(torch.load(run / "checkpoint" / "optimizer.pt", weights_only=True))
+    head, opt = accelerator.prepare(head, opt)
+    raw = accelerator.unwrap_model(head)
+
+    state = state or {"step": 0, "epoch": 0, "batch_in_epoch": 0, "train_s": 0.0, "best_tau": -1.0,
+                      "tokens": 0, "done": False}
+    gen = torch.Generator()
+    steps_per_epoch = len(make_batches([r[0].shape[0] for r in rows], cfg.optim.batch_tokens, torch.Generator()))
+    limit_s = cfg.budget.minutes * 60
+    max_steps = cfg.budget.max_steps or (int(cfg.budget.epochs * steps_per_epoch) if cfg.budget.epochs else 0)
+    log = open(run / "log.jsonl", "a")
+    print(f"{len(rows)} train rows ({sum(r[0].shape[0] for r in rows)} tokens), {len(val_rows)} val rows, "
+          f"{steps_per_epoch} steps/epoch; target features in {feat_s:.1f}s; resuming at step {state['step']}"
+          if state["step"] else f"{len(rows)} train rows, {len(val_rows)} val rows, {steps_per_epoch} steps/epoch; "
+          f"target features in {feat_s:.1f}s")
+
+    def progress() -> float:
+        parts = [state["train_s"] / limit_s if limit_s else 0.0, state["step"] / max_steps if max_steps else 0.0]
+        return min(1.0, max(parts))
+
+    def lr_at() -> float:
+        warm = min(1.0, (state["step"] + 1) / max(1, cfg.optim.warmup_steps))
+        return cfg.optim.lr * warm * 0.5 * (1 + math.cos(math.pi * progress()))  # cosine to zero over the budget
+
+    def checkpoint_and_validate(final: bool) -> None:
+        v = validate(raw, target, val_rows, val_feats, prompts, cfg, vocab)
+        score = v.get("val_tau", v["val_acc"])
+        if score > state["best_tau"]:
+            state["best_tau"] = score
+            save_head(raw, Path(cfg.out), extra={"step": state["step"], **v})
+        state["done"] = final
+        save_checkpoint(run, raw, opt, state)
+        rec = {"step": state["step"], "train_min": round(state["train_s"] / 60, 2), **v, "best": state["best_tau"]}
+        log.write(json.dumps(rec) + "\n")
+        log.flush()
+        tqdm.write("validation: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in rec.items()))
+
+    bar = tqdm(total=limit_s if limit_s else max_steps, initial=state["train_s"] if limit_s else state["step"],
+               unit="s" if limit_s else "step", desc="train", dynamic_ncols=True,
+               bar_format="{l_bar}{bar}| {n:.0f}/{total:.0f}{unit} [{elapsed}<{remaining}{postfix}]")
+    last_save = last_val = state["train_s"]
+    tok_window, t_window = 0, time.perf_counter()
+    while progress() < 1.0:
+        batches = make_batches([r[0].shape[0] for r in rows], cfg.optim.batch_tokens,
+                               torch.Generator().manual_seed(cfg.seed * 7919 + state["epoch"]))
+        for b in range(state["batch_in_epoch"], len(batches)):
+            t0 = time.perf_counter()
+            ids, mask, f = collate(rows, feats, batches[b])
+            for g in opt.param_groups:
+                g["lr"] = lr_at()
+            gen.manual_seed(cfg.seed * 1_000_003 + state["step"])  # noise depends on the step only: exact resume
+            loss, m = eagle1_loss(raw, target, ids.to(accelerator.device), mask.to(accelerator.device),
+                                  f.to(accelerator.device, dtype), cfg, vocab, gen)
+            if not math.isfinite(m["loss"]):
+                bar.close()
+                raise TrainError(f"loss is {m['loss']} at step {state['step']} (batch {b} of epoch "
+                                 f"{state['epoch']}); the last good checkpoint is in {run / 'checkpoint'}")
+            opt.zero_grad(set_to_none=True)
+            accelerator.backward(loss)
+            if cfg.optim.grad_clip:
+                accelerator.clip_grad_norm_(params, cfg.optim.grad_clip)
+            opt.step()
+            dt = time.perf_counter() - t0
+            state["step"] += 1
+            state["batch_in_epoch"] = b + 1
+            state["train_s"] += dt
+            state["tokens"] += ids.numel()
+            tok_window += ids.numel()
+            bar.update(dt if limit_s else 1)
+            if state["step"] % cfg.log_every == 0:
+                tps = tok_window / (time.perf_counter() - t_window)
+                tok_window, t_window = 0, time.perf_counter()
+                bar.set_postfix(loss=f"{m['loss']:.3f}", acc=f"{m['acc']:.3f}", tok_s=f"{tps:.0f}")
+                log.write(json.dumps({"step": state["step"], "lr": lr_at(), "tok_s": round(tps), **m}) + "\n")
+            if progress() >= 1.0:
+                break
+            if state["train_s"] - last_val >= cfg.eval.every_minutes * 60:
+                checkpoint_and_validate(final=False)
+                last_val = last_save = state["train_s"]
+            elif state["train_s"] - last_save >= cfg.save_every_minutes * 60:
+                save_checkpoint(run, raw, opt, state)
+                last_save = state["train_s"]
+        else:
+            state["epoch"] += 1
+            state["batch_in_epoch"] = 0
+    bar.close()
+    checkpoint_and_validate(final=True)
+    log.close()
+    print(f"done: {state['step']} steps, {state['tokens']} tokens in {state['train_s'] / 60:.1f} min of training; "
+          f"best validation tau {state['best_tau']:.3f}; head in {cfg.out}")
+    return state
