@@ -86,7 +86,7 @@ def load_head(path, device="cpu", dtype=torch.float32) -> EagleHead:
     if problems:
         raise CheckpointError(f"draft head {str(path)!r} does not match its config: " + "; ".join(problems))
     head.load_state_dict(state, strict=False)
-    return head.to(device=device, dtype=dtype).eval()
+    return head.to(device=device, dtype=dtype).eval()  # .to(dtype) leaves the integer d2t buffer alone
 
 
 def check_compatible(cfg: HeadConfig, target) -> None:

@@ -34,6 +34,9 @@ class HeadConfig:
     rope_theta: float = 10000.0
     fc_bias: bool = True
     feature_layer_ids: list[int] = field(default_factory=lambda: [-1])
+    # 0: draft over the target's whole vocabulary; n > 0: over n target tokens listed in the `d2t` buffer
+    # (EAGLE-3's reduced draft vocabulary, here for EAGLE-1/2 heads too: the lm_head dominates drafting cost)
+    draft_vocab_size: int = 0
     logit_softcap: float | None = None
     target: str = ""
     tokenizer_fingerprint: str = ""
@@ -180,9 +183,13 @@ class EagleHead(nn.Module):
         H = config.hidden_size
         self.fc = nn.Linear(2 * H, H, bias=config.fc_bias)
         self.layers = nn.ModuleList([DecoderLayer(config)])
+        if config.draft_vocab_size:
+            # draft token index -> target token id; saved with the head
+            self.register_buffer("d2t", torch.arange(config.draft_vocab_size), persistent=True)
         # Shared with the target, frozen, not saved: set by attach().
         self.embed_tokens: nn.Module | None = None
         self.lm_head: nn.Module | None = None
+        self.draft_lm_weight: torch.Tensor | None = None  # lm_head rows of the draft vocabulary
 
     # -- wiring to the target ------------------------------------------------------------------------------
     def attach(self, target) -> "EagleHead":
@@ -192,13 +199,37 @@ class EagleHead(nn.Module):
         check_compatible(self.config, target)
         self.embed_tokens = target.embed
         self.lm_head = target.lm_head
+        self._gather_draft_rows()
         return self
+
+    def set_draft_vocab(self, d2t: torch.Tensor) -> None:
+        """Restrict drafting to the target tokens `d2t` (sorted ids), e.g. the most frequent ones in training data."""
+        if not self.config.draft_vocab_size or d2t.shape != self.d2t.shape:
+            raise ValueError(f"draft vocabulary of {d2t.shape[0]} ids does not fit draft_vocab_size="
+                             f"{self.config.draft_vocab_size}")
+        self.d2t.copy_(d2t)
+        self._gather_draft_rows()
+
+    def _gather_draft_rows(self) -> None:
+        if self.lm_head is not None:
+            w = self.lm_head.weight
+            self.draft_lm_weight = (w[self.d2t].contiguous() if self.config.draft_vocab_size else w).detach()
 
     def init_from_target_layer(self, target, layer: int = -1) -> None:
         """Start the decoder layer from one of the target's layers (same shapes), a warm start for training."""
         src = target.base.layers[layer].state_dict()
         own = self.layers[0].state_dict()
         self.layers[0].load_state_dict({k: src[k].to(v.dtype) for k, v in own.items() if k in src}, strict=False)
+
+    def init_identity_fc(self) -> None:
+        """fc passes the feature through (embedding half zero): the head starts by predicting f[t+1] = f[t] plus
+        what its fresh layer adds, which keeps the target's large constant feature dimensions from the start."""
+        H = self.config.hidden_size
+        with torch.no_grad():
+            self.fc.weight.zero_()
+            self.fc.weight[:, H:] = torch.eye(H, dtype=self.fc.weight.dtype)
+            if self.fc.bias is not None:
+                self.fc.bias.zero_()
 
     def trainable_state_dict(self) -> dict[str, torch.Tensor]:
         return {k: v for k, v in self.state_dict().items() if not k.startswith(SHARED_PREFIXES)}
@@ -219,10 +250,14 @@ class EagleHead(nn.Module):
         return x
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        out = self.lm_head(hidden)
+        """Draft logits over the draft vocabulary (the full target vocabulary unless reduced)."""
+        out = F.linear(hidden, self.draft_lm_weight)
         if self.config.logit_softcap:
             out = torch.tanh(out / self.config.logit_softcap) * self.config.logit_softcap
         return out
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return self.d2t[draft_ids] if self.config.draft_vocab_size else draft_ids
 
     # -- checkpoints ---------------------------------------------------------------------------------------
     def save_pretrained(self, path) -> None:

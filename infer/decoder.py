@@ -222,7 +222,7 @@ class EagleProposer:
         h = head(feats, tokens, pos, cache=self.cache)[:, -1:]
         drafts = []
         for i in range(k):
-            q_argmax = head.logits(h).argmax(-1)  # [1, 1]
+            q_argmax = head.to_target_ids(head.logits(h).argmax(-1))  # [1, 1]
             drafts.append(q_argmax)
             if i + 1 < k:
                 pos = torch.tensor([[self.cache.length]], device=tokens.device)

@@ -14,8 +14,12 @@ from dataclasses import dataclass, field
 class ModelConfig:
     target: str = "smollm2-135m"
     head_type: str = "eagle1"
-    # "target_last_layer": start the head's decoder layer from the target's last layer; "random": from scratch
-    init: str = "target_last_layer"
+    # "identity": fc passes the feature through; "target_last_layer": the decoder layer starts as the target's
+    # last layer; "random": from scratch
+    init: str = "identity"
+    # Draft over the n most frequent assistant tokens of the training rows (0: the whole vocabulary). Cuts the
+    # lm_head cost of both training and drafting.
+    draft_vocab: int = 0
     dtype: str = "float32"
 
 
@@ -39,9 +43,6 @@ class OptimConfig:
 class LossConfig:
     feature_weight: float = 1.0  # smooth-L1 on the next feature
     ce_weight: float = 0.1  # cross-entropy against the target's distribution
-    # Cross-entropy over only the `ce_vocab` most frequent assistant tokens of the training data (0: full vocab).
-    # p and q are both renormalised over that subset; it cuts the dominant lm_head cost of the loss.
-    ce_vocab: int = 0
     noise: float = 0.2  # width of the uniform noise added to input features (EAGLE: U(-0.1, 0.1))
 
 

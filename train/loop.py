@@ -110,26 +110,28 @@ def draft_vocab(rows, vocab_size: int, n: int) -> torch.Tensor | None:
 
 
 # -- loss ---------------------------------------------------------------------------------------------------------
-def eagle1_loss(head: EagleHead, target: TargetModel, ids, mask, feats, cfg: TrainConfig, vocab, gen):
-    """Predict feature t+1 from (feature t, token t+1); scored where token t+2 is an assistant token."""
+def eagle1_loss(head: EagleHead, ids, mask, feats, cfg: TrainConfig, gen):
+    """Predict feature t+1 from (feature t, token t+1); scored where token t+2 is an assistant token.
+
+    p and q are taken over the head's draft vocabulary (renormalised there when it is reduced).
+    """
     B, T = ids.shape
     noise = (torch.rand(feats[:, :-1].shape, generator=gen) - 0.5) * cfg.loss.noise
     x = feats[:, :-1] + noise.to(feats.dtype)
     pos = torch.arange(T - 1)[None].expand(B, -1)
     pred = head(x, ids[:, 1:], pos)
-    want = feats[:, 1:]
-    w = torch.zeros(B, T - 1)
-    w[:, :-1] = mask[:, 2:].float()
-    n = w.sum().clamp(min=1)
-    feat_loss = (F.smooth_l1_loss(pred, want, reduction="none").mean(-1) * w).sum() / n
-    W = head.lm_head.weight if vocab is None else head.lm_head.weight[vocab]
+    sel = torch.zeros(B, T - 1, dtype=torch.bool)
+    sel[:, :-1] = mask[:, 2:]
+    pred, want = pred[sel], feats[:, 1:][sel]  # only scored positions reach the costly lm_head
+    n = pred.shape[0]
+    feat_loss = F.smooth_l1_loss(pred, want)
     with torch.no_grad():
-        p = F.softmax(F.linear(want, W), dim=-1)
-    log_q = F.log_softmax(F.linear(pred, W), dim=-1)
-    ce = (-(p * log_q).sum(-1) * w).sum() / n
-    acc = ((log_q.argmax(-1) == p.argmax(-1)).float() * w).sum() / n
+        p = F.softmax(head.logits(want), dim=-1)
+    log_q = F.log_softmax(head.logits(pred), dim=-1)
+    ce = -(p * log_q).sum(-1).mean()
+    acc = (log_q.argmax(-1) == p.argmax(-1)).float().mean()
     loss = cfg.loss.feature_weight * feat_loss + cfg.loss.ce_weight * ce
-    return loss, {"loss": loss.item(), "feat": feat_loss.item(), "ce": ce.item(), "acc": acc.item(), "tokens": int(n)}
+    return loss, {"loss": loss.item(), "feat": feat_loss.item(), "ce": ce.item(), "acc": acc.item(), "tokens": n}
 
 
 # -- checkpoints --------------------------------------------------------------------------------------------------
@@ -159,7 +161,7 @@ def val_prompts(cfg: TrainConfig) -> list[str]:
     return prompts[: cfg.eval.num_prompts]
 
 
-def validate(head, target, val_rows, val_feats, prompts, cfg: TrainConfig, vocab) -> dict:
+def validate(head, target, val_rows, val_feats, prompts, cfg: TrainConfig) -> dict:
     """Teacher-forced loss / top-1 agreement on held-out rows, and tau from real chain decoding on held-out prompts."""
     from infer import SpeculativeDecoder
 
@@ -169,7 +171,7 @@ def validate(head, target, val_rows, val_feats, prompts, cfg: TrainConfig, vocab
     with torch.no_grad():
         for idx in make_batches([r[0].shape[0] for r in val_rows], cfg.optim.batch_tokens, gen):
             ids, mask, feats = collate(val_rows, val_feats, idx)
-            _, m = eagle1_loss(head, target, ids, mask, feats, cfg, vocab, gen)
+            _, m = eagle1_loss(head, ids, mask, feats, cfg, gen)
             stats["val_loss"] += m["loss"] * m["tokens"]
             stats["val_acc"] += m["acc"] * m["tokens"]
             n += m["tokens"]
@@ -209,7 +211,6 @@ def train(cfg: TrainConfig, target: TargetModel | None = None) -> dict:
     dtype = getattr(torch, cfg.model.dtype)
     target = target or load_target(cfg.model.target, device=accelerator.device, dtype=dtype)
     rows, val_rows = load_rows(cfg, "train"), load_rows(cfg, "val")
-    vocab = draft_vocab(rows, target.vocab_size, cfg.loss.ce_vocab)
     t_feat = time.perf_counter()
     feats = target_features(target, rows, "target features (train)")
     val_feats = target_features(target, val_rows, "target features (val)")
@@ -220,9 +221,17 @@ def train(cfg: TrainConfig, target: TargetModel | None = None) -> dict:
         head = load_head(run / "checkpoint" / "head", device=accelerator.device, dtype=dtype).attach(target)
     else:
         torch.manual_seed(cfg.seed)
-        head = EagleHead(HeadConfig.for_target(target)).to(device=accelerator.device, dtype=dtype).attach(target)
-        if cfg.model.init == "target_last_layer":
+        vocab = draft_vocab(rows, target.vocab_size, cfg.model.draft_vocab)
+        hcfg = HeadConfig.for_target(target, draft_vocab_size=0 if vocab is None else vocab.shape[0])
+        head = EagleHead(hcfg).to(device=accelerator.device, dtype=dtype).attach(target)
+        if vocab is not None:
+            head.set_draft_vocab(vocab.to(accelerator.device))
+        if cfg.model.init == "identity":
+            head.init_identity_fc()
+        elif cfg.model.init == "target_last_layer":
             head.init_from_target_layer(target)
+        elif cfg.model.init != "random":
+            raise TrainError(f"model.init {cfg.model.init!r} is not one of identity, target_last_layer, random")
     head.train()
     params = [p for n, p in head.named_parameters() if p.requires_grad and not n.startswith(("embed_tokens.", "lm_head."))]
     opt = torch.optim.AdamW(params, lr=cfg.optim.lr, betas=tuple(cfg.optim.betas), weight_decay=cfg.optim.weight_decay)
@@ -252,7 +261,7 @@ def train(cfg: TrainConfig, target: TargetModel | None = None) -> dict:
         return cfg.optim.lr * warm * 0.5 * (1 + math.cos(math.pi * progress()))  # cosine to zero over the budget
 
     def checkpoint_and_validate(final: bool) -> None:
-        v = validate(raw, target, val_rows, val_feats, prompts, cfg, vocab)
+        v = validate(raw, target, val_rows, val_feats, prompts, cfg)
         score = v.get("val_tau", v["val_acc"])
         if score > state["best_tau"]:
             state["best_tau"] = score
@@ -266,7 +275,7 @@ def train(cfg: TrainConfig, target: TargetModel | None = None) -> dict:
 
     bar = tqdm(total=limit_s if limit_s else max_steps, initial=state["train_s"] if limit_s else state["step"],
                unit="s" if limit_s else "step", desc="train", dynamic_ncols=True,
-               bar_format="{l_bar}{bar}| {n:.0f}/{total:.0f}{unit} [{elapsed}<{remaining}{postfix}]")
+               bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt}{unit} [{elapsed}<{remaining}{postfix}]")
     last_save = last_val = state["train_s"]
     tok_window, t_window = 0, time.perf_counter()
     while progress() < 1.0:
@@ -278,8 +287,8 @@ def train(cfg: TrainConfig, target: TargetModel | None = None) -> dict:
             for g in opt.param_groups:
                 g["lr"] = lr_at()
             gen.manual_seed(cfg.seed * 1_000_003 + state["step"])  # noise depends on the step only: exact resume
-            loss, m = eagle1_loss(raw, target, ids.to(accelerator.device), mask.to(accelerator.device),
-                                  f.to(accelerator.device, dtype), cfg, vocab, gen)
+            loss, m = eagle1_loss(raw, ids.to(accelerator.device), mask.to(accelerator.device),
+                                  f.to(accelerator.device, dtype), cfg, gen)
             if not math.isfinite(m["loss"]):
                 bar.close()
                 raise TrainError(f"loss is {m['loss']} at step {state['step']} (batch {b} of epoch "

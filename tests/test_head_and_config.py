@@ -1,0 +1,104 @@
+"""The head's shapes, checkpoints (bit-exact, atomic, strict), target compatibility, and typed configs."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from tiny import tiny_head, tiny_target
+
+from eagle import CheckpointError, EagleHead, HeadConfig
+from eagle.configio import ConfigError, load_config
+from train.config import TrainConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_head_shapes_and_draft_vocab():
+    t = tiny_target()
+    head = tiny_head(t)
+    f = torch.randn(2, 5, 32, dtype=torch.float64)
+    ids = torch.randint(0, 96, (2, 5))
+    h = head(f, ids, torch.arange(5)[None].expand(2, -1))
+    assert h.shape == (2, 5, 32) and head.logits(h).shape == (2, 5, 96)
+    small = EagleHead(HeadConfig.for_target(t, draft_vocab_size=10)).to(torch.float64).attach(t)
+    d2t = torch.tensor([2, 3, 5, 7, 11, 13, 17, 19, 23, 29])
+    small.set_draft_vocab(d2t)
+    logits = small.logits(h)
+    assert logits.shape == (2, 5, 10)
+    torch.testing.assert_close(logits, t.lm_head(h)[..., d2t])
+    assert small.to_target_ids(torch.tensor([0, 9])).tolist() == [2, 29]
+
+
+def test_save_load_bit_exact_and_shared_weights_not_saved(tmp_path):
+    t = tiny_target()
+    head = EagleHead(HeadConfig.for_target(t, draft_vocab_size=8)).to(torch.float64).attach(t)
+    head.set_draft_vocab(torch.arange(8) * 3)
+    head.save_pretrained(tmp_path / "h")
+    assert sorted(p.name for p in (tmp_path / "h").iterdir()) == ["config.json", "model.safetensors"]
+    back = EagleHead.from_pretrained(tmp_path / "h", dtype=torch.float64).attach(t)
+    a, b = head.trainable_state_dict(), back.trainable_state_dict()
+    assert a.keys() == b.keys() and not any(k.startswith(("embed_tokens", "lm_head")) for k in a)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert back.config == head.config
+
+
+def test_checkpoint_errors_name_the_problem(tmp_path):
+    t = tiny_target()
+    tiny_head(t).save_pretrained(tmp_path / "h")
+    with pytest.raises(CheckpointError, match="no config.json"):
+        EagleHead.from_pretrained(tmp_path / "nothing")
+    cfg = json.loads((tmp_path / "h/config.json").read_text())
+    cfg["intermediate_size"] = 99
+    (tmp_path / "h/config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="wrong shape: layers.0.mlp.gate_proj.weight"):
+        EagleHead.from_pretrained(tmp_path / "h")
+
+
+def test_head_for_another_target_is_refused(tmp_path):
+    head = tiny_head(tiny_target())
+    other = tiny_target(vocab_size=120, hidden=48)
+    with pytest.raises(CheckpointError, match="hidden size 32 vs 48, vocab size 96 vs 120"):
+        head.attach(other)
+
+
+def test_every_preset_loads():
+    presets = sorted((ROOT / "configs").glob("*.yaml"))
+    assert presets
+    for p in presets:
+        cfg = load_config(TrainConfig, p)
+        assert isinstance(cfg, TrainConfig)
+
+
+def test_overrides_are_typed_and_unknown_keys_rejected(tmp_path):
+    cfg = load_config(TrainConfig, ROOT / "configs/smollm2-135m-eagle1.yaml",
+                      ["optim.lr=5e-4", "budget.minutes=2", "model.draft_vocab=4096", "optim.betas=[0.8,0.9]"])
+    assert cfg.optim.lr == 5e-4 and cfg.budget.minutes == 2.0 and cfg.model.draft_vocab == 4096
+    assert cfg.optim.betas == [0.8, 0.9]
+    with pytest.raises(ConfigError, match="unknown config key 'optim.lrr'"):
+        load_config(TrainConfig, None, ["optim.lrr=1"])
+    with pytest.raises(ConfigError, match="'budget.minutes' must be float"):
+        load_config(TrainConfig, None, ["budget.minutes=soon"])
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model:\n  targett: x\n")
+    with pytest.raises(ConfigError, match="unknown config key 'model.targett'"):
+        load_config(TrainConfig, bad)
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(TrainConfig, tmp_path / "missing.yaml")
+
+
+def test_import_direction():
+    """eagle imports none of the others; data_prep and infer import only eagle."""
+    import ast
+
+    allowed = {"eagle": {"eagle"}, "data_prep": {"eagle", "data_prep"}, "infer": {"eagle", "infer"},
+               "train": {"eagle", "data_prep", "infer", "train"}}
+    ours = set(allowed)
+    for pkg, ok in allowed.items():
+        for f in (ROOT / pkg).glob("*.py"):
+            for node in ast.walk(ast.parse(f.read_text())):
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                    [node.module] if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 else [])
+                for n in names:
+                    top = n.split(".")[0]
+                    assert top not in ours or top in ok, f"{f.relative_to(ROOT)} imports {n}"

@@ -1,0 +1,84 @@
+"""Training on a tiny random Llama: the loss falls, checkpoints resume, bad input is refused clearly."""
+
+import json
+
+import pytest
+import torch
+from tiny import tiny_target
+
+from eagle import EagleHead
+from eagle.configio import load_config
+from train.config import TrainConfig
+from train.loop import TrainError, train
+
+
+def write_prepared(path, target, rows=24, seed=0):
+    """Rows the target itself wrote greedily (as regeneration would), assistant-masked after a short prompt."""
+    from infer import SpeculativeDecoder
+
+    g = torch.Generator().manual_seed(seed)
+    dec = SpeculativeDecoder(target, None)
+    path.mkdir(parents=True)
+    lines = []
+    for _ in range(rows):
+        prompt = torch.randint(4, 90, (6,), generator=g).tolist()
+        reply = dec.generate(prompt, 24, speculative=False).token_ids
+        lines.append(json.dumps({"input_ids": prompt + reply, "loss_mask": [0] * 6 + [1] * len(reply)}))
+    (path / "train.jsonl").write_text("\n".join(lines[4:]) + "\n")
+    (path / "val.jsonl").write_text("\n".join(lines[:4]) + "\n")
+
+
+def config(tmp_path, *overrides):
+    return load_config(TrainConfig, None, [f"data.prepared={tmp_path / 'data'}", f"run_dir={tmp_path / 'run'}",
+                                           f"out={tmp_path / 'head'}", "optim.batch_tokens=256", "log_every=1",
+                                           "eval.num_prompts=0", "optim.warmup_steps=2", "optim.lr=3e-3", *overrides])
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_target(dtype=torch.float32)
+
+
+def test_training_lowers_the_loss_and_exports_a_loadable_head(tmp_path, target):
+    write_prepared(tmp_path / "data", target)
+    state = train(config(tmp_path, "budget.max_steps=40", "model.draft_vocab=40"), target=target)
+    log = [json.loads(l) for l in (tmp_path / "run/log.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in log if "loss" in r]
+    assert state["done"] and state["step"] == 40
+    assert sum(losses[-5:]) / 5 < 0.85 * sum(losses[:5]) / 5
+    head = EagleHead.from_pretrained(tmp_path / "head").attach(target)
+    assert head.config.draft_vocab_size == 40
+    assert (tmp_path / "run/config.yaml").exists()
+
+
+def test_resume_continues_exactly(tmp_path, target, monkeypatch):
+    import train.loop as loop
+
+    write_prepared(tmp_path / "data", target)
+    straight = train(config(tmp_path, "budget.max_steps=12", "run_dir=" + str(tmp_path / "a")), target=target)
+
+    real_save = loop.save_checkpoint
+
+    def save_then_die(run, head, opt, state):  # the process is killed right after the step-6 checkpoint
+        real_save(run, head, opt, state)
+        if state["step"] == 6:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(loop, "save_checkpoint", save_then_die)
+    killed = config(tmp_path, "budget.max_steps=12", "run_dir=" + str(tmp_path / "b"), "save_every_minutes=0")
+    with pytest.raises(KeyboardInterrupt):
+        train(killed, target=target)
+    monkeypatch.setattr(loop, "save_checkpoint", real_save)
+    resumed = train(killed, target=target)  # the same command again
+    assert resumed["step"] == straight["step"] == 12
+    a = EagleHead.from_pretrained(tmp_path / "a/checkpoint/head").trainable_state_dict()
+    b = EagleHead.from_pretrained(tmp_path / "b/checkpoint/head").trainable_state_dict()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k])
+
+
+def test_missing_data_and_missing_budget_are_one_line_errors(tmp_path, target):
+    with pytest.raises(TrainError, match="set a budget"):
+        train(config(tmp_path), target=target)
+    with pytest.raises(TrainError, match="does not exist: run `eagle prep"):
+        train(config(tmp_path, "budget.max_steps=1"), target=target)
