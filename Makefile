@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 DEMO := runs/demo
 DEMO_ROWS ?= 320
-DEMO_MINUTES ?= 12
+DEMO_MINUTES ?= 10
 
 .PHONY: setup demo test test-all clean-demo
 
@@ -23,10 +23,11 @@ setup: $(STAMP)
 
 # The whole path on the embedded default: regenerate + prep, train, evaluate on held-out ShareGPT prompts.
 demo: setup
-	$(BIN)/eagle prep --target smollm2-135m --data sharegpt --out $(DEMO)/data --max-rows $(DEMO_ROWS) --regenerate
+	$(BIN)/eagle prep --target smollm2-135m --data sharegpt --out $(DEMO)/data --max-rows $(DEMO_ROWS) \
+		--regenerate --max-turns 1 --max-new-tokens 192 --max-length 448 --regen-batch-size 64
 	$(BIN)/eagle train --config configs/smollm2-135m-eagle1.yaml budget.minutes=$(DEMO_MINUTES)
 	$(BIN)/eagle eval --target smollm2-135m --draft $(DEMO)/head --data $(DEMO)/data/val_conversations.jsonl \
-		--num-prompts 10 --max-new-tokens 128 --mode chain --num-speculative-tokens 4 --out $(DEMO)/eval
+		--num-prompts 8 --max-new-tokens 128 --mode chain --num-speculative-tokens 3 --out $(DEMO)/eval
 
 test: setup
 	$(BIN)/python -m pytest -q

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import yaml
 from tqdm import tqdm
 
 from data_prep.regenerate import regenerate_with_stats
@@ -48,6 +49,7 @@ class PrepConfig:
     val_fraction: float = 0.05
     seed: int = 0                  # for the train / validation split
     max_turns: int | None = None   # keep the first N assistant turns of each conversation; None keeps all
+    overwrite: bool = False        # redo the work even when `out` already holds rows made with this same config
 
 
 @dataclass
@@ -124,6 +126,9 @@ def prepare(cfg: PrepConfig, target=None) -> PrepSummary:
     """Run the data step described in the module docstring; `target` (a TargetModel) is loaded if not given."""
     t0 = time.perf_counter()
     _check_config(cfg)  # before the slow parts
+    done = _finished(cfg)
+    if done is not None:
+        return done
     if target is None:
         from eagle.target import load_target
 
@@ -184,6 +189,20 @@ def prepare(cfg: PrepConfig, target=None) -> PrepSummary:
     summary.seconds = time.perf_counter() - t0
     _write_atomic(out / "summary.json", lambda f: json.dump(dataclasses.asdict(summary), f, indent=2))
     return summary
+
+
+def _finished(cfg: PrepConfig) -> PrepSummary | None:
+    """The summary of an earlier run into the same `out` with the same settings, so reruns reuse its rows."""
+    out = Path(cfg.out)
+    if cfg.overwrite or not (out / "summary.json").exists() or not (out / "prep_config.yaml").exists():
+        return None
+
+    same = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "overwrite"}
+    old = {k: v for k, v in (yaml.safe_load((out / "prep_config.yaml").read_text()) or {}).items() if k != "overwrite"}
+    if old != same:
+        return None
+    print(f"reusing the rows in {out} (prepared earlier with the same settings; --overwrite redoes them)")
+    return PrepSummary(**json.loads((out / "summary.json").read_text()))
 
 
 def load_examples(path: str | Path) -> list[Example]:

@@ -25,7 +25,9 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    prepared: str = "runs/demo/data"  # a directory written by `eagle prep`
+    prepared: str = "runs/demo/data"  # a directory written by `eagle prep`; validation rows come from here
+    # more prepared directories whose train rows are added (e.g. raw ShareGPT rows beside regenerated ones)
+    extra: list[str] = field(default_factory=list)
     max_length: int = 1024  # longer training rows are cut (the loss mask is cut with them)
 
 
@@ -74,6 +76,4 @@ class TrainConfig:
     save_every_minutes: float = 2.0
     log_every: int = 10
     seed: int = 0
-    # "memory": run the target once over all rows before training and keep its features; "online": every step
-    features: str = "memory"
     num_threads: int = 0  # torch threads (0: torch's default)

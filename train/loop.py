@@ -33,10 +33,10 @@ class TrainError(RuntimeError):
 
 
 # -- data ---------------------------------------------------------------------------------------------------------
-def load_rows(cfg: TrainConfig, split: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    path = Path(cfg.data.prepared) / f"{split}.jsonl"
+def load_rows(cfg: TrainConfig, split: str, prepared: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    path = Path(prepared) / f"{split}.jsonl"
     if not path.exists():
-        raise TrainError(f"prepared data {str(path)!r} does not exist: run `eagle prep --out {cfg.data.prepared}` first")
+        raise TrainError(f"prepared data {str(path)!r} does not exist: run `eagle prep --out {prepared}` first")
     rows = []
     for ex in load_examples(path):
         ids = torch.tensor(ex.input_ids[: cfg.data.max_length])
@@ -73,6 +73,27 @@ def collate(rows, feats, idx: list[int]):
         n = rows[i][0].shape[0]
         ids[b, :n], mask[b, :n], f[b, :n] = rows[i][0], rows[i][1], feats[i]
     return ids, mask, f
+
+
+def cached_features(target: TargetModel, rows, prepared: Path, split: str) -> list[torch.Tensor]:
+    """Target features of every row, kept next to the prepared rows so later runs on the same data skip the pass.
+
+    One safetensors file per split, keyed by the target's tokenizer fingerprint and hidden size; it is written
+    whole (temp file + rename) and trusted only if its row lengths match the rows.
+    """
+    from safetensors.torch import load_file, save_file
+
+    path = prepared / f"features-{split}-{target.fingerprint}-{target.hidden_size}.safetensors"
+    lengths = torch.tensor([r[0].shape[0] for r in rows])
+    if path.exists():
+        data = load_file(str(path))
+        if torch.equal(data["lengths"], lengths):
+            return list(torch.split(data["features"], lengths.tolist()))
+    feats = target_features(target, rows, f"target features ({split})")
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    save_file({"features": torch.cat(feats), "lengths": lengths}, str(tmp))
+    os.replace(tmp, path)
+    return feats
 
 
 @torch.inference_mode()
@@ -210,10 +231,14 @@ def train(cfg: TrainConfig, target: TargetModel | None = None) -> dict:
     accelerator = Accelerator(cpu=not torch.cuda.is_available())
     dtype = getattr(torch, cfg.model.dtype)
     target = target or load_target(cfg.model.target, device=accelerator.device, dtype=dtype)
-    rows, val_rows = load_rows(cfg, "train"), load_rows(cfg, "val")
+    rows, val_rows = load_rows(cfg, "train", cfg.data.prepared), load_rows(cfg, "val", cfg.data.prepared)
     t_feat = time.perf_counter()
-    feats = target_features(target, rows, "target features (train)")
-    val_feats = target_features(target, val_rows, "target features (val)")
+    feats = cached_features(target, rows, Path(cfg.data.prepared), "train")
+    val_feats = cached_features(target, val_rows, Path(cfg.data.prepared), "val")
+    for extra in cfg.data.extra:
+        more = load_rows(cfg, "train", extra)
+        rows += more
+        feats += cached_features(target, more, Path(extra), "train")
     feat_s = time.perf_counter() - t_feat
     prompts = val_prompts(cfg)
 

@@ -1,0 +1,55 @@
+"""`eagle eval` on a tiny model: report fields, prompt formats, and one-line errors."""
+
+import json
+
+import pytest
+from tiny import tiny_head, tiny_target
+
+from infer import SpeculativeDecoder
+from infer.evaluate import EvalConfig, EvalError, acceptance_per_position, evaluate, load_prompts
+
+
+def test_prompt_formats(tmp_path):
+    f = tmp_path / "p.jsonl"
+    rows = [{"question_id": 7, "category": "math", "turns": ["w1 w2", "second"]},
+            {"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "w3"}]},
+            {"conversations": [{"from": "human", "value": "w4"}]}, {"prompt": "w5"}, {"other": 1}]
+    f.write_text("\n".join(json.dumps(r) for r in rows))
+    got = load_prompts(str(f), 10)
+    assert [p["prompt"] for p in got] == ["w1 w2", "w3", "w4", "w5"]
+    assert got[0]["question_id"] == 7 and got[0]["category"] == "math" and got[1]["category"] == "all"
+    assert len(load_prompts(str(f), 2)) == 2
+    with pytest.raises(EvalError, match="does not exist"):
+        load_prompts(str(tmp_path / "missing.jsonl"), 3)
+    (tmp_path / "bad.jsonl").write_text('{"turns": ["a"]}\n{oops\n')
+    with pytest.raises(EvalError, match="line 2 is not valid JSON"):
+        load_prompts(str(tmp_path / "bad.jsonl"), 3)
+
+
+def test_acceptance_per_position():
+    assert acceptance_per_position([0, 2, 4, 1], 4) == [0.75, 0.5, 0.25, 0.25]
+
+
+def test_report_has_every_field(tmp_path):
+    t = tiny_target()
+    f = tmp_path / "p.jsonl"
+    f.write_text("\n".join(json.dumps({"question_id": i, "category": c, "turns": [f"w{i} w{i + 1} w{i + 2}"]})
+                           for i, c in enumerate(["a", "b", "a"])))
+    dec = SpeculativeDecoder(t, tiny_head(t))
+    cfg = EvalConfig(target="tiny", draft="random", data=str(f), out=str(tmp_path / "ev"), num_prompts=3,
+                     max_new_tokens=12, num_speculative_tokens=3)
+    r = evaluate(cfg, decoder=dec)
+    saved = json.loads((tmp_path / "ev/report.json").read_text())
+    for key in ("tau", "acceptance_per_position", "baseline_tokens_per_s", "spec_tokens_per_s", "speedup",
+                "lossless", "prompts", "per_category"):
+        assert key in saved
+    assert saved["lossless"] == 1.0 and len(saved["acceptance_per_position"]) == 3
+    assert set(saved["per_category"]) == {"a", "b"}
+    p = saved["prompts"][0]
+    assert p["baseline_token_ids"] == p["spec_token_ids"] and p["question_id"] == 0
+    for key in ("prompt_token_ids", "accept_lengths", "category"):
+        assert key in p
+    assert (tmp_path / "ev/report.md").read_text().startswith("# Speculative decoding")
+    assert r["tau"] == pytest.approx((sum(sum(q["accept_lengths"]) for q in saved["prompts"])
+                                      + sum(len(q["accept_lengths"]) for q in saved["prompts"]))
+                                     / sum(len(q["accept_lengths"]) for q in saved["prompts"]))

@@ -1,0 +1,76 @@
+"""Integration tests on the real SmolLM2-135M-Instruct target (converted from its GGUF file once, then cached)."""
+
+import json
+
+import pytest
+import torch
+from test_decoding import OracleProposer
+
+from eagle import EagleHead, HeadConfig, load_target
+from eagle.configio import load_config
+from infer import SpeculativeDecoder
+from train.config import TrainConfig
+
+pytestmark = pytest.mark.smollm
+
+PROMPTS = ["What is the capital of France?", "Write a haiku about autumn leaves.",
+           "Explain in two sentences why the sky is blue."]
+
+
+@pytest.fixture(scope="module")
+def target():
+    return load_target("smollm2-135m")
+
+
+@pytest.fixture(scope="module")
+def baselines(target):
+    dec = SpeculativeDecoder(target, None)
+    return [dec.generate(p, 40, speculative=False) for p in PROMPTS]
+
+
+def test_engine_greedy_equals_transformers_greedy(target, baselines):
+    dec = SpeculativeDecoder(target, None)
+    ids = torch.tensor([dec.encode(PROMPTS[0])])
+    hf = target.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=40, do_sample=False,
+                               eos_token_id=target.eos_ids)[0, ids.shape[1]:].tolist()
+    assert baselines[0].token_ids == hf
+
+
+def test_chain_decoding_is_lossless_with_a_random_head(target, baselines):
+    torch.manual_seed(0)
+    head = EagleHead(HeadConfig.for_target(target, draft_vocab_size=512)).attach(target)
+    head.set_draft_vocab(torch.arange(512) * 64)
+    dec = SpeculativeDecoder(target, head)
+    for p, base in zip(PROMPTS, baselines):
+        assert dec.generate(p, 40, num_speculative_tokens=4).token_ids == base.token_ids
+
+
+@pytest.mark.parametrize("wrong_at", [None, 2])
+def test_oracle_drafts_on_smollm2(target, baselines, wrong_at):
+    for p, base in zip(PROMPTS, baselines):
+        dec = SpeculativeDecoder(target, None)
+        truth = dec.encode(p) + base.token_ids
+        dec.proposer = OracleProposer(truth, wrong_at, target.vocab_size)
+        out = dec.generate(p, 40, num_speculative_tokens=5)
+        assert out.token_ids == base.token_ids
+        full = [a for a in out.accept_lengths[:-1]]
+        assert full == [5 if wrong_at is None else wrong_at] * len(full)
+
+
+def test_prep_then_a_few_training_steps_lower_the_loss(target, tmp_path):
+    from data_prep.prep import PrepConfig, prepare
+    from train.loop import train
+
+    s = prepare(PrepConfig(target="smollm2-135m", data="sharegpt", out=str(tmp_path / "data"), max_rows=20,
+                           max_length=512, max_turns=1), target=target)
+    assert s.kept >= 5
+    cfg = load_config(TrainConfig, None, [f"data.prepared={tmp_path / 'data'}", f"run_dir={tmp_path / 'run'}",
+                                          f"out={tmp_path / 'head'}", "budget.max_steps=12", "optim.batch_tokens=1024",
+                                          "optim.warmup_steps=2", "model.draft_vocab=2048", "log_every=1",
+                                          "eval.num_prompts=1", "eval.max_new_tokens=8"])
+    train(cfg, target=target)
+    losses = [json.loads(l)["loss"] for l in (tmp_path / "run/log.jsonl").read_text().splitlines()
+              if "loss" in json.loads(l)]
+    assert sum(losses[-3:]) < sum(losses[:3])
+    head = EagleHead.from_pretrained(tmp_path / "head").attach(target)
+    assert head.config.draft_vocab_size == 2048 and head.config.target == "smollm2-135m"
