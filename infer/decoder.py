@@ -187,7 +187,7 @@ class SpeculativeDecoder:
             p_argmax = t.logits(feats[0]).argmax(-1)
             # 4. accept the deepest agreeing path, plus the target's own token after it
             best = accept_greedy(tokens[0].cpu(), p_argmax.cpu(), parents, node_mask, depth)
-            path = tree.path_to(parents, best)
+            path = tree.path_to(node_mask, best)
             out.accept_lengths.append(int(depth[best]))
             root = p_argmax[best].view(1)
             # 5. keep only the accepted path in both caches; the head resumes from the target's features

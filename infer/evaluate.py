@@ -161,7 +161,7 @@ def markdown(r: dict) -> str:
              f"k = {s['num_speculative_tokens']}", "",
              "| set | prompts | tau | baseline tok/s | speculative tok/s | speedup | lossless |",
              "|---|---|---|---|---|---|---|"]
-    rows = [("all", r)] + list(r["per_category"].items())
+    rows = [("all", r)] + [(c, m) for c, m in r["per_category"].items() if len(r["per_category"]) > 1]
     for name, m in rows:
         lines.append(f"| {name} | {m['num_prompts']} | {m['tau']:.2f} | {m['baseline_tokens_per_s']:.1f} | "
                      f"{m['spec_tokens_per_s']:.1f} | {m['speedup']:.2f}x | {m['lossless']:.2f} |")

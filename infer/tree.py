@@ -29,9 +29,9 @@ def depths(parents: torch.Tensor) -> torch.Tensor:
     return ancestor_mask(parents).sum(-1) - 1
 
 
-def path_to(parents: torch.Tensor, node: int) -> torch.Tensor:
-    """Node indices from the root to `node`, in order."""
-    return ancestor_mask(parents)[node].nonzero().flatten()  # ancestors have smaller indices: already ordered
+def path_to(node_mask: torch.Tensor, node: int) -> torch.Tensor:
+    """Node indices from the root to `node`, in order, read off the ancestor mask."""
+    return node_mask[node].nonzero().flatten()  # ancestors have smaller indices: already ordered
 
 
 def from_choices(choices: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -121,7 +121,7 @@ def test_cache_compact_then_step_equals_fresh_forward(target):
 def test_tree_helpers_hand_drawn():
     parents = torch.tensor([-1, 0, 0, 1, 1, 2, 3])
     assert tree.depths(parents).tolist() == [0, 1, 1, 2, 2, 2, 3]
-    assert tree.path_to(parents, 6).tolist() == [0, 1, 3, 6]
+    assert tree.path_to(tree.ancestor_mask(parents), 6).tolist() == [0, 1, 3, 6]
     m = tree.ancestor_mask(parents)
     assert m[5].nonzero().flatten().tolist() == [0, 2, 5]
     c = tree.ancestor_mask(tree.chain(4))
