@@ -17,7 +17,7 @@ import sys
 import typing
 
 
-def _add_dataclass_args(parser: argparse.ArgumentParser, cls, positional_free: bool = True) -> None:
+def _add_dataclass_args(parser: argparse.ArgumentParser, cls) -> None:
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         flag = "--" + f.name.replace("_", "-")
