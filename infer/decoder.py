@@ -168,6 +168,7 @@ class SpeculativeDecoder:
         q.reset()
         parents = tree.chain(cfg.num_speculative_tokens)
         node_mask, depth = tree.ancestor_mask(parents), tree.depths(parents)
+        node_depth = depth.to(dev)[None]
         # 1. prefill: the target reads the prompt and emits the root, the first new token
         ids = torch.tensor([prompt_ids], device=dev)
         L = ids.shape[1]
@@ -183,7 +184,7 @@ class SpeculativeDecoder:
             # 3. verify every node in one target pass; node i sits at position L + depth(i)
             t2 = time.perf_counter()
             mask = verify_mask(L, node_mask, feats.dtype).to(dev)
-            feats = t.features(tokens, position_ids=(L + depth.to(dev))[None], attention_mask=mask, cache=cache.hf)
+            feats = t.features(tokens, position_ids=L + node_depth, attention_mask=mask, cache=cache.hf)
             p_argmax = t.logits(feats[0]).argmax(-1)
             # 4. accept the deepest agreeing path, plus the target's own token after it
             best = accept_greedy(tokens[0].cpu(), p_argmax.cpu(), parents, node_mask, depth)

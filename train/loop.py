@@ -28,7 +28,7 @@ from eagle.configio import save_config
 from train.config import TrainConfig
 
 
-class TrainError(RuntimeError):
+class TrainError(ValueError):
     pass
 
 
@@ -171,15 +171,12 @@ def save_checkpoint(run: Path, head, opt, state: dict) -> None:
 
 
 def val_prompts(cfg: TrainConfig) -> list[str]:
+    from infer.evaluate import load_prompts
+
     path = Path(cfg.data.prepared) / "val_conversations.jsonl"
-    prompts = []
-    if path.exists():
-        for line in path.read_text().splitlines():
-            msgs = json.loads(line).get("messages", [])
-            user = next((m["content"] for m in msgs if m["role"] == "user"), None)
-            if user:
-                prompts.append(user)
-    return prompts[: cfg.eval.num_prompts]
+    if not path.exists() or cfg.eval.num_prompts <= 0:
+        return []
+    return [p["prompt"] for p in load_prompts(str(path), cfg.eval.num_prompts)]
 
 
 def validate(head, target, val_rows, val_feats, prompts, cfg: TrainConfig) -> dict:
