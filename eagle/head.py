@@ -101,6 +101,11 @@ class HeadCache:
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
         end = start + k.shape[2]
+        if k.requires_grad:  # training (unrolled steps): keep autograd history, so no in-place writes
+            old_k, old_v = (k[:, :, :0], v[:, :, :0]) if self.k[layer] is None else (self.k[layer], self.v[layer])
+            self.k[layer] = torch.cat([old_k[:, :, :start], k], dim=2)
+            self.v[layer] = torch.cat([old_v[:, :, :start], v], dim=2)
+            return self.k[layer], self.v[layer]
         buf = self.k[layer]
         if buf is None or buf.shape[2] < end or buf.shape[0] != k.shape[0]:
             cap = max(256, 1 << math.ceil(math.log2(end)))

@@ -82,3 +82,33 @@ def test_missing_data_and_missing_budget_are_one_line_errors(tmp_path, target):
         train(config(tmp_path), target=target)
     with pytest.raises(TrainError, match="does not exist: run `eagle prep"):
         train(config(tmp_path, "budget.max_steps=1"), target=target)
+
+
+def test_unrolled_steps_see_what_drafting_sees():
+    """Step s of the training-time unroll at position p equals drafting s tokens after the true pairs < p-s+2."""
+    from tiny import tiny_head
+
+    from eagle import HeadCache
+    from train.loop import unrolled_mask
+
+    t = tiny_target()
+    head = tiny_head(t)
+    torch.manual_seed(0)
+    T = 9
+    feats = torch.randn(1, T, 32, dtype=torch.float64)
+    ids = torch.randint(4, 90, (1, T + 1))
+    pos = torch.arange(T)[None]
+    cache = HeadCache()
+    preds = [head(feats, ids[:, 1:], pos, cache=cache)]
+    for s in (2, 3):
+        x = torch.cat([torch.zeros_like(preds[-1][:, :1]), preds[-1][:, :-1]], dim=1)
+        preds.append(head(x, ids[:, 1:], pos, cache=cache, mask=unrolled_mask(T, s)))
+    p = 6
+    with torch.no_grad():
+        c = HeadCache()
+        h = head(feats[:, : p - 1], ids[:, 1:p], pos[:, : p - 1], cache=c)[:, -1:]  # true pairs 0..p-2
+        for q in (p - 1, p):  # two drafted steps: positions p-1 and p
+            h = head(h, ids[:, q + 1: q + 2], torch.tensor([[q]]), cache=c)
+    torch.testing.assert_close(preds[2][0, p], h[0, 0])
+    assert unrolled_mask(4, 2).int().tolist() == [[0, 0, 0, 0, 1, 0, 0, 0], [1, 0, 0, 0, 0, 1, 0, 0],
+                                                  [1, 1, 0, 0, 0, 0, 1, 0], [1, 1, 1, 0, 0, 0, 0, 1]]

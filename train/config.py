@@ -46,6 +46,10 @@ class LossConfig:
     feature_weight: float = 1.0  # smooth-L1 on the next feature
     ce_weight: float = 0.1  # cross-entropy against the target's distribution
     noise: float = 0.2  # width of the uniform noise added to input features (EAGLE: U(-0.1, 0.1))
+    # Unrolled draft steps: step s reads the head's own step s-1 predictions as features, attending to the true
+    # features before them as when drafting (EAGLE-3's training-time test). Step s is weighted step_decay^(s-1).
+    steps: int = 1
+    step_decay: float = 0.8
 
 
 @dataclass

@@ -131,28 +131,56 @@ def draft_vocab(rows, vocab_size: int, n: int) -> torch.Tensor | None:
 
 
 # -- loss ---------------------------------------------------------------------------------------------------------
+def unrolled_mask(n: int, s: int) -> torch.Tensor:
+    """[n, s*n] bool attention of unrolled step s over the keys of steps 1..s, all aligned by position p.
+
+    When drafting, the step-s token at position p sees the true (step 1) entries up to p-s+1 and the drafted
+    entries of steps r = 2..s at position p-s+r.
+    """
+    i = torch.arange(n)
+    blocks = [i[None] <= (i[:, None] - (s - 1))]
+    blocks += [i[None] == (i[:, None] - (s - r)) for r in range(2, s + 1)]
+    return torch.cat(blocks, dim=1)
+
+
 def eagle1_loss(head: EagleHead, ids, mask, feats, cfg: TrainConfig, gen):
     """Predict feature t+1 from (feature t, token t+1); scored where token t+2 is an assistant token.
 
-    p and q are taken over the head's draft vocabulary (renormalised there when it is reduced).
+    With `loss.steps` > 1 the head is unrolled on its own predictions (see `unrolled_mask`). p and q are taken
+    over the head's draft vocabulary (renormalised there when it is reduced).
     """
+    from eagle import HeadCache
+
     B, T = ids.shape
+    n = T - 1
     noise = (torch.rand(feats[:, :-1].shape, generator=gen) - 0.5) * cfg.loss.noise
     x = feats[:, :-1] + noise.to(feats.dtype)
-    pos = torch.arange(T - 1)[None].expand(B, -1)
-    pred = head(x, ids[:, 1:], pos)
-    sel = torch.zeros(B, T - 1, dtype=torch.bool)
-    sel[:, :-1] = mask[:, 2:]
-    pred, want = pred[sel], feats[:, 1:][sel]  # only scored positions reach the costly lm_head
-    n = pred.shape[0]
-    feat_loss = F.smooth_l1_loss(pred, want)
-    with torch.no_grad():
-        p = F.softmax(head.logits(want), dim=-1)
-    log_q = F.log_softmax(head.logits(pred), dim=-1)
-    ce = -(p * log_q).sum(-1).mean()
-    acc = (log_q.argmax(-1) == p.argmax(-1)).float().mean()
-    loss = cfg.loss.feature_weight * feat_loss + cfg.loss.ce_weight * ce
-    return loss, {"loss": loss.item(), "feat": feat_loss.item(), "ce": ce.item(), "acc": acc.item(), "tokens": n}
+    pos = torch.arange(n)[None].expand(B, -1)
+    cache = HeadCache() if cfg.loss.steps > 1 else None
+    scored = torch.zeros(B, n, dtype=torch.bool)
+    scored[:, :-1] = mask[:, 2:]
+    total, stats = 0.0, {}
+    for s in range(1, cfg.loss.steps + 1):
+        if s == 1:
+            pred = head(x, ids[:, 1:], pos, cache=cache)
+        else:  # step s at position p reads step s-1's prediction made at p-1
+            x = torch.cat([torch.zeros_like(pred[:, :1]), pred[:, :-1]], dim=1)
+            pred = head(x, ids[:, 1:], pos, cache=cache, mask=unrolled_mask(n, s))
+        sel = scored.clone()
+        sel[:, : s - 1] = False  # positions before s-1 have no step-s input
+        out, want = pred[sel], feats[:, 1:][sel]  # only scored positions reach the costly lm_head
+        feat_loss = F.smooth_l1_loss(out, want)
+        with torch.no_grad():
+            p = F.softmax(head.logits(want), dim=-1)
+        log_q = F.log_softmax(head.logits(out), dim=-1)
+        ce = -(p * log_q).sum(-1).mean()
+        total = total + cfg.loss.step_decay ** (s - 1) * (cfg.loss.feature_weight * feat_loss + cfg.loss.ce_weight * ce)
+        if s == 1:
+            acc = (log_q.argmax(-1) == p.argmax(-1)).float().mean()
+            stats = {"feat": feat_loss.item(), "ce": ce.item(), "acc": acc.item(), "tokens": out.shape[0]}
+        else:
+            stats[f"acc{s}"] = (log_q.argmax(-1) == p.argmax(-1)).float().mean().item()
+    return total, {"loss": total.item(), **stats}
 
 
 # -- checkpoints --------------------------------------------------------------------------------------------------
