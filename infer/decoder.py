@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from eagle import EagleHead, HeadCache, TargetModel, load_target
+from eagle.fastlinear import disable_fast_linear, enable_fast_linear, fast_linear_enabled
 from infer import tree
 from infer.cache import TargetCache
 
@@ -31,6 +32,8 @@ class DecodeConfig:
     max_new_tokens: int = 128
     # chat template for string prompts ("auto": the target's own when it has one, else the raw text)
     chat_template: str = "auto"
+    # on CPU, run the target's and the head's linear layers through the measured matmul layouts (eagle.fastlinear)
+    fast_linear: bool = True
 
 
 @dataclass
@@ -40,8 +43,9 @@ class GenerateOutput:
     prompt_len: int
     accept_lengths: list[int] = field(default_factory=list)  # accepted drafts per round, bonus token excluded
     stop_reason: str = ""  # "eos" | "max_new_tokens" | "context_length"
+    prefill_s: float = 0.0  # the prompt's forward pass, up to the first new token
     draft_s: float = 0.0
-    verify_s: float = 0.0
+    verify_s: float = 0.0  # verification passes, with acceptance and cache compaction
     total_s: float = 0.0
 
     @property
@@ -85,6 +89,17 @@ class SpeculativeDecoder:
             head.attach(target)
         self.proposer = proposer or (EagleProposer(head) if head is not None else None)
 
+    def _use_fast_linear(self, on: bool) -> None:
+        """Patch (or restore) the linear layers of the target and the head in place; the first call on a machine
+        calibrates for a few seconds (eagle.fastlinear)."""
+        for model in (self.target.model, self.head):
+            if model is None:
+                continue
+            if on and self.target.device.type == "cpu" and not fast_linear_enabled(model):
+                enable_fast_linear(model, run=self._calibration_pass if model is self.target.model else None)
+            elif not on and fast_linear_enabled(model):
+                disable_fast_linear(model)
+
     @classmethod
     def from_pretrained(cls, target: str | TargetModel, draft: str | EagleHead | None = None,
                         device: str = "cpu", dtype: torch.dtype = torch.float32, **config) -> "SpeculativeDecoder":
@@ -93,6 +108,18 @@ class SpeculativeDecoder:
         if isinstance(draft, str):
             draft = EagleHead.from_pretrained(draft, device=target.device, dtype=target.dtype)
         return cls(target, draft, DecodeConfig(**config))
+
+    @torch.inference_mode()
+    def _calibration_pass(self, rows: int, context: int = 128) -> float:
+        """Seconds of one verification-sized target pass: `rows` new tokens after `context` cached ones."""
+        t, cache = self.target, TargetCache()
+        ids = torch.arange(context + rows, device=t.device)[None] % t.vocab_size
+        t.features(ids[:, :context], position_ids=torch.arange(context, device=t.device)[None], cache=cache.hf)
+        t0 = time.perf_counter()
+        feats = t.features(ids[:, context:], position_ids=torch.arange(context, context + rows, device=t.device)[None],
+                           cache=cache.hf)
+        t.logits(feats[0]).argmax(-1)
+        return time.perf_counter() - t0
 
     # -- prompts -------------------------------------------------------------------------------------------
     def encode(self, prompt: str | list[int]) -> list[int]:
@@ -123,6 +150,7 @@ class SpeculativeDecoder:
             cfg.max_new_tokens = max_new_tokens
         if speculative and self.proposer is None:
             raise ValueError("speculative decoding needs a draft head; pass draft=... or speculative=False")
+        self._use_fast_linear(cfg.fast_linear)
         prompt_ids = self.encode(prompt)
         if not prompt_ids:
             raise ValueError("prompt is empty")
@@ -170,10 +198,12 @@ class SpeculativeDecoder:
         node_mask, depth = tree.ancestor_mask(parents), tree.depths(parents)
         node_depth = depth.to(dev)[None]
         # 1. prefill: the target reads the prompt and emits the root, the first new token
+        t0 = time.perf_counter()
         ids = torch.tensor([prompt_ids], device=dev)
         L = ids.shape[1]
         feats = t.features(ids, position_ids=torch.arange(L, device=dev)[None], cache=cache.hf)
         root = t.logits(feats[:, -1]).argmax(-1)
+        out.prefill_s = time.perf_counter() - t0
         yield [int(root.item())]
         pair_feats, pair_tokens = feats, torch.cat([ids[:, 1:], root[:, None]], dim=1)
         while True:

@@ -37,6 +37,7 @@ class EvalConfig:
     num_speculative_tokens: int = 4
     warmup: int = 1  # prompts decoded once, unmeasured, before timing starts
     num_threads: int = 0
+    fast_linear: bool = True  # measured matmul layouts for the linear layers on CPU (both baseline and speculative)
 
 
 def _first_user_turn(row: dict) -> str | None:
@@ -109,6 +110,14 @@ def _summary(pairs: list[tuple[GenerateOutput, GenerateOutput]], k: int) -> dict
         "lossless": sum(b.token_ids == s.token_ids for b, s in pairs) / max(len(pairs), 1),
         "draft_s": sum(s.draft_s for _, s in pairs),
         "verify_s": sum(s.verify_s for _, s in pairs),
+        "prefill_s": sum(s.prefill_s for _, s in pairs),
+        # where a round's time goes; "other" is everything else in the loop (bookkeeping, streaming, stops)
+        "round_ms": {
+            "draft": 1e3 * sum(s.draft_s for _, s in pairs) / max(rounds, 1),
+            "verify": 1e3 * sum(s.verify_s for _, s in pairs) / max(rounds, 1),
+            "other": 1e3 * sum(s.total_s - s.prefill_s - s.draft_s - s.verify_s for _, s in pairs) / max(rounds, 1),
+        },
+        "baseline_ms_per_token": 1e3 * base_s / max(base_tok, 1),
         "num_prompts": len(pairs),
     }
 
@@ -122,13 +131,13 @@ def evaluate(cfg: EvalConfig, decoder: SpeculativeDecoder | None = None) -> dict
     dec = decoder or SpeculativeDecoder.from_pretrained(load_target(cfg.target), cfg.draft or None)
     k = cfg.num_speculative_tokens
     for p in prompts[: cfg.warmup]:
-        dec.generate(p["prompt"], min(cfg.max_new_tokens, 16), speculative=False)
-        dec.generate(p["prompt"], min(cfg.max_new_tokens, 16), num_speculative_tokens=k)
+        dec.generate(p["prompt"], min(cfg.max_new_tokens, 16), speculative=False, fast_linear=cfg.fast_linear)
+        dec.generate(p["prompt"], min(cfg.max_new_tokens, 16), num_speculative_tokens=k, fast_linear=cfg.fast_linear)
     pairs, per_prompt = [], []
     t0 = time.perf_counter()
     for i, p in enumerate(prompts):
-        base = dec.generate(p["prompt"], cfg.max_new_tokens, speculative=False)
-        spec = dec.generate(p["prompt"], cfg.max_new_tokens, num_speculative_tokens=k)
+        base = dec.generate(p["prompt"], cfg.max_new_tokens, speculative=False, fast_linear=cfg.fast_linear)
+        spec = dec.generate(p["prompt"], cfg.max_new_tokens, num_speculative_tokens=k, fast_linear=cfg.fast_linear)
         pairs.append((base, spec))
         per_prompt.append({"question_id": p["question_id"], "category": p["category"],
                            "prompt_token_ids": dec.encode(p["prompt"]), "baseline_token_ids": base.token_ids,
@@ -167,5 +176,8 @@ def markdown(r: dict) -> str:
                      f"{m['spec_tokens_per_s']:.1f} | {m['speedup']:.2f}x | {m['lossless']:.2f} |")
     lines += ["", "Acceptance by draft position: " +
               ", ".join(f"{i + 1}: {a:.2f}" for i, a in enumerate(r["acceptance_per_position"])),
-              f"Time drafting {r['draft_s']:.1f}s, verifying {r['verify_s']:.1f}s (speculative runs).", ""]
+              f"Time drafting {r['draft_s']:.1f}s, verifying {r['verify_s']:.1f}s (speculative runs). "
+              f"Per round: draft {r['round_ms']['draft']:.1f} ms, verify {r['round_ms']['verify']:.1f} ms, "
+              f"other {r['round_ms']['other']:.1f} ms; plain greedy {r['baseline_ms_per_token']:.1f} ms per token.",
+              ""]
     return "\n".join(lines)

@@ -28,12 +28,15 @@ def baselines(target):
     return [dec.generate(p, 40, speculative=False) for p in PROMPTS]
 
 
-def test_engine_greedy_equals_transformers_greedy(target, baselines):
+def test_engine_greedy_equals_transformers_greedy_with_fast_linear_on_and_off(target, baselines):
     dec = SpeculativeDecoder(target, None)
-    ids = torch.tensor([dec.encode(PROMPTS[0])])
-    hf = target.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=40, do_sample=False,
-                               eos_token_id=target.eos_ids)[0, ids.shape[1]:].tolist()
-    assert baselines[0].token_ids == hf
+    off = [dec.generate(p, 40, speculative=False, fast_linear=False).token_ids for p in PROMPTS]
+    assert not any("forward" in m.__dict__ for m in target.model.modules())  # the stock layers are back
+    for p, base, plain in zip(PROMPTS, baselines, off):
+        ids = torch.tensor([dec.encode(p)])
+        hf = target.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=40, do_sample=False,
+                                   eos_token_id=target.eos_ids)[0, ids.shape[1]:].tolist()
+        assert base.token_ids == plain == hf  # the baselines ran with the fast layouts (the default)
 
 
 def test_chain_decoding_is_lossless_with_a_random_head(target, baselines):

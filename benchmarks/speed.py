@@ -1,0 +1,181 @@
+"""Decoding speed on this machine: where a target step's time goes, what verification costs, and tokens/s of
+transformers' `generate`, its prompt lookup, our plain greedy and our speculative decoding, all in one run.
+
+    .venv/bin/python benchmarks/speed.py --data ../shared/evaldata/mt_bench.jsonl --num-prompts 20 \
+        --draft runs/demo/head --k 3
+
+Parts (every timing is a median over repeats, methods interleaved so machine noise hits them alike):
+1. memory: read bandwidth (a 256 MB sum) and the bytes of the target's weights, i.e. the floor of one step;
+2. the cost of one target pass over M new tokens with a KV cache of --context tokens, M = 1..32, stock linear
+   layers vs the measured layouts (eagle.fastlinear), and its ratio to M = 1 (what verifying M tokens costs);
+3. thread scaling of the same pass at M = 1 and 8;
+4. the prompts: HF generate and HF prompt lookup (stock layers, as users run them), our greedy with stock and
+   fast layers, our speculative decoding with fast layers; identical outputs checked against HF greedy.
+The last line printed is a JSON object with `hf_generate_tps`, `engine_greedy_tps`, `spec_tps`,
+`verify_cost_ratio_k8`, `lossless` and the rest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from eagle import load_target
+from eagle.fastlinear import disable_fast_linear, enable_fast_linear
+from infer import SpeculativeDecoder
+from infer.cache import TargetCache
+from infer.evaluate import load_prompts
+
+
+def bandwidth_gb_s() -> float:
+    x = torch.ones(64 * 1024 * 1024)
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        x.sum()
+        times.append(time.perf_counter() - t0)
+    return x.numel() * 4 / statistics.median(times) / 1e9
+
+
+@torch.inference_mode()
+def pass_ms(target, context: int, rows_list: list[int], repeats: int, fast: bool) -> dict[int, float]:
+    """Median ms of one target pass (features + logits of every row) over `rows` new tokens after `context`."""
+    (enable_fast_linear if fast else disable_fast_linear)(target.model)
+    cache = TargetCache()
+    g = torch.Generator().manual_seed(0)
+    ctx = torch.randint(100, 20000, (1, context), generator=g)
+    target.features(ctx, position_ids=torch.arange(context)[None], cache=cache.hf)
+    out = {}
+    for rows in rows_list:
+        ids = torch.randint(100, 20000, (1, rows), generator=g)
+        pos = torch.arange(context, context + rows)[None]
+        times = []
+        for r in range(repeats + 1):
+            t0 = time.perf_counter()
+            feats = target.features(ids, position_ids=pos, cache=cache.hf)
+            target.logits(feats[0]).argmax(-1)
+            if r:
+                times.append((time.perf_counter() - t0) * 1e3)
+            cache.crop(context)
+        out[rows] = statistics.median(times)
+    return out
+
+
+def hf_generate(target, ids: list[int], n: int, lookup: int = 0) -> tuple[list[int], float]:
+    disable_fast_linear(target.model)
+    x = torch.tensor([ids])
+    kw = {"prompt_lookup_num_tokens": lookup} if lookup else {}
+    t0 = time.perf_counter()
+    out = target.model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False,
+                                pad_token_id=target.tokenizer.pad_token_id, eos_token_id=target.eos_ids, **kw)
+    return out[0, len(ids):].tolist(), time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--target", default="smollm2-135m")
+    ap.add_argument("--draft", required=True)
+    ap.add_argument("--data", default="../shared/evaldata/mt_bench.jsonl")
+    ap.add_argument("--num-prompts", type=int, default=20)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--k", type=int, default=3, help="drafted tokens per round for the speculative run")
+    ap.add_argument("--lookup", type=int, default=10, help="prompt_lookup_num_tokens for transformers")
+    ap.add_argument("--context", type=int, default=256, help="KV-cache length for the pass-cost curve")
+    ap.add_argument("--repeats", type=int, default=7)
+    args = ap.parse_args()
+    threads = torch.get_num_threads()
+    target = load_target(args.target)
+    dec = SpeculativeDecoder.from_pretrained(target, args.draft)
+    dec.generate([1, 2, 3], 2)  # calibrates the layouts once (cached on disk afterwards)
+
+    # 1-2. memory floor and the pass-cost curve, stock vs fast
+    # every weight is read once per step (a tied embedding counts once: its lm_head use reads it whole)
+    weight_bytes = sum(p.numel() * p.element_size() for p in target.model.parameters())
+    bw = bandwidth_gb_s()
+    rows = [1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32]
+    curves = {"stock": {r: [] for r in rows}, "fast": {r: [] for r in rows}}
+    for _ in range(3):  # interleave the two so drift hits both
+        for name in curves:
+            for r, ms in pass_ms(target, args.context, rows, args.repeats, name == "fast").items():
+                curves[name][r].append(ms)
+    curve = {name: {r: statistics.median(v) for r, v in c.items()} for name, c in curves.items()}
+    print("| new tokens M | stock ms | fast ms | fast / fast(M=1) |")
+    print("|---|---|---|---|")
+    for r in rows:
+        print(f"| {r} | {curve['stock'][r]:.1f} | {curve['fast'][r]:.1f} | {curve['fast'][r] / curve['fast'][1]:.2f} |")
+
+    # 3. threads
+    scaling = {}
+    for n in sorted({1, threads}):
+        torch.set_num_threads(n)
+        scaling[n] = pass_ms(target, args.context, [1, 8], args.repeats, True)
+    torch.set_num_threads(threads)
+    print("threads:", json.dumps(scaling))
+
+    # 4. the prompts
+    prompts = load_prompts(args.data, args.num_prompts)
+    n = args.max_new_tokens
+    methods = ["hf_generate", "hf_prompt_lookup", "engine_greedy_stock", "engine_greedy", "spec"]
+    tokens, same = {m: 0 for m in methods}, {m: 0 for m in methods}
+    seconds = {m: 0.0 for m in methods}
+    round_s = {"prefill": 0.0, "draft": 0.0, "verify": 0.0, "other": 0.0}
+    emitted = passes = 0
+    warm = dec.encode(prompts[0]["prompt"])
+    hf_generate(target, warm, 8)
+    dec.generate(warm, 8, speculative=False)
+    dec.generate(warm, 8, num_speculative_tokens=args.k)
+    for i, p in enumerate(prompts):
+        ids = dec.encode(p["prompt"])
+        runs = {"hf_generate": hf_generate(target, ids, n), "hf_prompt_lookup": hf_generate(target, ids, n, args.lookup)}
+        stock = dec.generate(ids, n, speculative=False, fast_linear=False)
+        runs["engine_greedy_stock"] = (stock.token_ids, stock.total_s)
+        fast = dec.generate(ids, n, speculative=False)
+        runs["engine_greedy"] = (fast.token_ids, fast.total_s)
+        spec = dec.generate(ids, n, num_speculative_tokens=args.k)
+        runs["spec"] = (spec.token_ids, spec.total_s)
+        emitted += sum(spec.accept_lengths) + spec.rounds
+        passes += spec.rounds
+        round_s["prefill"] += spec.prefill_s
+        round_s["draft"] += spec.draft_s
+        round_s["verify"] += spec.verify_s
+        round_s["other"] += spec.total_s - spec.prefill_s - spec.draft_s - spec.verify_s
+        ref = runs["hf_generate"][0]
+        for m, (toks, s) in runs.items():
+            tokens[m] += len(toks)
+            seconds[m] += s
+            same[m] += toks == ref
+        print(f"[{i + 1}/{len(prompts)}] " + ", ".join(f"{m} {len(t) / s:.1f}" for m, (t, s) in runs.items()),
+              flush=True)
+    tps = {m: tokens[m] / seconds[m] for m in methods}
+    ms_per_token = 1e3 / tps["engine_greedy"]
+    result = {
+        "target": args.target, "draft": args.draft, "data": args.data, "num_prompts": len(prompts),
+        "max_new_tokens": n, "k": args.k, "threads": threads,
+        "hf_generate_tps": tps["hf_generate"], "hf_prompt_lookup_tps": tps["hf_prompt_lookup"],
+        "engine_greedy_stock_tps": tps["engine_greedy_stock"], "engine_greedy_tps": tps["engine_greedy"],
+        "spec_tps": tps["spec"], "spec_tau": emitted / max(passes, 1),
+        "speedup_vs_hf_generate": {m: tps[m] / tps["hf_generate"] for m in methods},
+        "verify_cost_ratio_k8": curve["fast"][8] / curve["fast"][1],
+        "verify_cost_ratio_k8_stock": curve["stock"][8] / curve["stock"][1],
+        "pass_ms": curve, "threads_pass_ms": scaling,
+        "spec_round_ms": {k: 1e3 * v / max(passes, 1) for k, v in round_s.items()},
+        "identical_to_hf_greedy": {m: same[m] / len(prompts) for m in methods},
+        "lossless": min(same["spec"], same["engine_greedy"]) / len(prompts),
+        "memory": {"bandwidth_gb_s": bw, "weight_mb": weight_bytes / 1e6, "floor_ms": weight_bytes / bw / 1e6,
+                   "engine_greedy_ms_per_token": ms_per_token},
+    }
+    print()
+    print("| method | tokens/s | vs HF generate | identical to HF greedy |")
+    print("|---|---|---|---|")
+    for m in methods:
+        print(f"| {m} | {tps[m]:.1f} | {result['speedup_vs_hf_generate'][m]:.2f}x | "
+              f"{result['identical_to_hf_greedy'][m]:.2f} |")
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,195 @@
+"""Faster `nn.Linear` forwards for decoding on CPU: the matmul layout is chosen per weight shape and row count,
+by measurement on the machine that runs it.
+
+At batch 1 every decoder step multiplies each weight by a handful of rows, so a step is bound by reading the
+weights. The stock `F.linear(x, W)` is a poor reader for 1-16 rows on this machine (torch 2.13, MKL, 2 threads:
+SmolLM2's 30 layers take ~44 ms for one row and ~60 ms for eight), while the same product laid out as
+`(W @ x.T).T` takes ~25 ms for 2-4 rows and ~39 ms for eight; one row is padded to two because MKL's
+single-vector path is the slow one. Which layout wins depends on the shape, the row count and the machine,
+so `calibrate` times both and keeps the faster: over whole forward passes when it is given a function that runs
+one (the decoder does), else over all weights of each shape in a cold sweep.
+
+    enable_fast_linear(target.model)    # patches the forward of every nn.Linear, on this instance only
+    ...
+    disable_fast_linear(target.model)   # the stock forwards again
+
+The plan is cached per machine, thread count, torch version and set of shapes under `$EAGLE_CACHE/fastlinear/`.
+Only inference is affected: with gradients enabled, on other devices and above `MAX_ROWS` rows the stock
+forward runs. Results agree with the stock forward to float32 rounding (the summation order differs).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import statistics
+import time
+import types
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from eagle.target import cache_root
+
+BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # row counts measured; a call uses the plan of the smallest bucket >= its rows
+MAX_ROWS = BUCKETS[-1]
+LAYOUTS = ("linear", "wxt")
+
+
+def _wxt(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x2 [M, in] -> [M, out] computed as (W @ x2.T).T; one row is padded to two (MKL's gemv path is slow)."""
+    m = x2.shape[0]
+    xt = (x2.repeat(2, 1) if m == 1 else x2).t()  # a real copy: a stride-0 expand is slower still
+    y = torch.mm(weight, xt) if bias is None else torch.addmm(bias[:, None], weight, xt)
+    return y[:, :m].t().contiguous()
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, layout: str) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` through the named layout."""
+    if layout == "linear":
+        return F.linear(x, weight, bias)
+    x2 = x.reshape(-1, x.shape[-1])
+    return _wxt(x2, weight, bias).view(*x.shape[:-1], weight.shape[0])
+
+
+@dataclass
+class Plan:
+    """The chosen layout per weight shape and row bucket, with the timings behind each choice (ms per sweep)."""
+
+    layouts: dict[str, dict[int, str]] = field(default_factory=dict)     # "out x in" -> bucket -> layout
+    timings: dict[str, dict[int, dict[str, float]]] = field(default_factory=dict)
+
+    def layout(self, weight: torch.Tensor, rows: int) -> str:
+        by_bucket = self.layouts.get(_shape_key(weight))
+        if by_bucket is None or rows > MAX_ROWS:
+            return "linear"
+        return by_bucket[next(b for b in BUCKETS if b >= rows)]
+
+    def to_json(self) -> dict:
+        return {"layouts": self.layouts, "timings": self.timings}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "Plan":
+        return cls(layouts={s: {int(b): v for b, v in d2.items()} for s, d2 in d["layouts"].items()},
+                   timings={s: {int(b): v for b, v in d2.items()} for s, d2 in d["timings"].items()})
+
+
+def _shape_key(weight: torch.Tensor) -> str:
+    return f"{weight.shape[0]}x{weight.shape[1]}"
+
+
+def _linears(model: nn.Module) -> list[nn.Linear]:
+    return [m for m in model.modules() if isinstance(m, nn.Linear)]
+
+
+def calibrate(model: nn.Module, repeats: int = 5, run: Callable[[int], float] | None = None) -> Plan:
+    """Time the layouts at every bucket and keep the fastest (median of repeats, layouts interleaved).
+
+    With `run` (a function that does one real forward pass over `rows` new tokens and returns its seconds)
+    whole passes are timed with
+    one layout for every weight: this is the measurement that matters, because a pass interleaves the matmuls
+    with many small ops and the thread pool behaves differently than in a tight loop of matmuls. Without it,
+    each weight shape is timed alone in a sweep over all weights of that shape (cold, as in a step)."""
+    groups: dict[str, list[nn.Linear]] = defaultdict(list)
+    for mod in _linears(model):
+        groups[_shape_key(mod.weight)].append(mod)
+    plan = Plan(layouts={k: {} for k in groups}, timings={k: {} for k in groups})
+    gen = torch.Generator(device="cpu").manual_seed(0)  # leaves the global RNG alone
+    with torch.inference_mode():
+        for rows in BUCKETS:
+            if run is not None:
+                samples = {layout: [] for layout in LAYOUTS}
+                for r in range(repeats + 1):
+                    for layout in LAYOUTS:
+                        enable_fast_linear(model, Plan(layouts={k: {b: layout for b in BUCKETS} for k in groups}))
+                        seconds = run(rows)
+                        if r:  # the first round warms up
+                            samples[layout].append(seconds * 1e3)
+                disable_fast_linear(model)
+                times = {layout: round(statistics.median(v), 3) for layout, v in samples.items()}
+                for key in groups:
+                    plan.timings[key][rows] = times
+                    plan.layouts[key][rows] = min(times, key=times.get)
+                continue
+            for key, mods in groups.items():
+                w0 = mods[0].weight
+                x = torch.randn(rows, w0.shape[1], generator=gen, dtype=w0.dtype).to(w0.device)
+                times = {}
+                for layout in LAYOUTS:
+                    samples = []
+                    for r in range(repeats + 1):
+                        t0 = time.perf_counter()
+                        for mod in mods:  # a sweep over distinct weights reads them from memory, as a step does
+                            linear(x, mod.weight, mod.bias, layout)
+                        if r:
+                            samples.append((time.perf_counter() - t0) * 1e3)
+                    times[layout] = round(statistics.median(samples), 4)
+                plan.timings[key][rows] = times
+                plan.layouts[key][rows] = min(times, key=times.get)
+    return plan
+
+
+def _plan_path(model: nn.Module, how: str) -> str:
+    shapes = sorted({_shape_key(m.weight) + str(m.weight.dtype) for m in _linears(model)})
+    ident = json.dumps([platform.processor() or platform.machine(), _cpu_name(), torch.get_num_threads(),
+                        torch.__version__, shapes, how])
+    return str(cache_root() / "fastlinear" / f"{hashlib.sha1(ident.encode()).hexdigest()[:16]}.json")
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "")
+    except OSError:
+        return ""
+
+
+def load_or_calibrate(model: nn.Module, run: Callable[[int], float] | None = None) -> Plan:
+    """The cached plan for this machine and model shapes, or a fresh calibration (seconds) saved for next time."""
+    path = _plan_path(model, "sweep" if run is None else "passes")
+    if os.path.exists(path):
+        with open(path) as f:
+            return Plan.from_json(json.load(f))
+    plan = calibrate(model, run=run)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(plan.to_json(), f, indent=1)
+    os.replace(tmp, path)
+    return plan
+
+
+def _fast_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    w = self.weight
+    if x.device.type != "cpu" or (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)):
+        return F.linear(x, w, self.bias)
+    return linear(x, w, self.bias, self._fast_plan.layout(w, x.numel() // x.shape[-1]))
+
+
+def enable_fast_linear(model: nn.Module, plan: Plan | None = None, run: Callable[[int], float] | None = None) -> Plan:
+    """Patch the forward of every `nn.Linear` in `model` (this instance only) to use the measured layouts (`plan`,
+    else the cached or a fresh calibration, by whole passes when `run` is given; see `calibrate`).
+    Idempotent: the patch lives on the modules, so whoever calls `disable_fast_linear` restores them."""
+    plan = plan or load_or_calibrate(model, run)
+    for mod in _linears(model):
+        mod._fast_plan = plan
+        mod.forward = types.MethodType(_fast_forward, mod)
+    return plan
+
+
+def disable_fast_linear(model: nn.Module) -> None:
+    """Restore the stock forward of every patched `nn.Linear` in `model`."""
+    for mod in _linears(model):
+        if "forward" in mod.__dict__:
+            del mod.forward
+            del mod._fast_plan
+
+
+def fast_linear_enabled(model: nn.Module) -> bool:
+    return any("_fast_plan" in mod.__dict__ for mod in _linears(model))

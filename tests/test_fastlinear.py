@@ -1,0 +1,69 @@
+"""The measured matmul layouts (eagle.fastlinear) compute what F.linear computes, and come off cleanly."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from eagle.fastlinear import (BUCKETS, LAYOUTS, Plan, calibrate, disable_fast_linear, enable_fast_linear,
+                              fast_linear_enabled, linear)
+from infer import SpeculativeDecoder
+from tests.tiny import tiny_head, tiny_target
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("shape", [(576, 576), (192, 576), (1536, 576), (576, 1536), (4096, 576), (7, 5)])
+def test_layouts_match_f_linear(layout, shape):
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(*shape, generator=g)
+    b = torch.randn(shape[0], generator=g)
+    for rows in sorted(set(BUCKETS) | {3, 5, 9, 17, 33, 100}):
+        x = torch.randn(1, rows, shape[1], generator=g)
+        for bias in (None, b):
+            got = linear(x, w, bias, layout)
+            want = F.linear(x, w, bias)
+            assert got.shape == want.shape and got.is_contiguous()
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * shape[1] ** 0.5)
+
+
+def test_plan_covers_every_shape_and_bucket():
+    model = nn.Sequential(nn.Linear(16, 48), nn.Linear(48, 16, bias=False), nn.Linear(16, 48))
+    plan = calibrate(model, repeats=1)
+    assert set(plan.layouts) == {"48x16", "16x48"}
+    for by_bucket in plan.layouts.values():
+        assert set(by_bucket) == set(BUCKETS) and set(by_bucket.values()) <= set(LAYOUTS)
+    assert Plan.from_json(plan.to_json()) == plan
+    assert plan.layout(model[0].weight, 3) == plan.layouts["48x16"][4]
+    assert plan.layout(model[0].weight, 65) == "linear"  # above the last bucket: the stock forward
+
+
+def test_enable_then_remove_restores_the_stock_forward():
+    model = nn.Sequential(nn.Linear(16, 48), nn.Linear(48, 16))
+    wxt = Plan(layouts={k: {b: "wxt" for b in BUCKETS} for k in ("48x16", "16x48")})
+    x = torch.randn(2, 3, 16)
+    want = model(x)
+    enable_fast_linear(model, wxt)
+    assert all("forward" in m.__dict__ for m in model)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), want)
+    # with gradients the stock forward runs, so training is unaffected
+    xg = x.clone().requires_grad_(True)
+    model(xg).sum().backward()
+    assert xg.grad is not None
+    disable_fast_linear(model)
+    assert not any("forward" in m.__dict__ or hasattr(m, "_fast_plan") for m in model)
+
+
+def test_speculative_greedy_equals_plain_greedy_with_fast_linear_on_and_off():
+    target = tiny_target()
+    dec = SpeculativeDecoder(target, tiny_head(target))
+    prompt = [5, 9, 14, 22, 7]
+    plain_off = dec.generate(prompt, max_new_tokens=24, speculative=False, fast_linear=False).token_ids
+    assert not fast_linear_enabled(target.model)
+    plain_on = dec.generate(prompt, max_new_tokens=24, speculative=False).token_ids
+    spec_on = dec.generate(prompt, max_new_tokens=24, num_speculative_tokens=3).token_ids
+    assert fast_linear_enabled(target.model) and fast_linear_enabled(dec.head)
+    assert plain_on == plain_off == spec_on
+    dec.generate(prompt, max_new_tokens=4, fast_linear=False)
+    assert not fast_linear_enabled(target.model) and not fast_linear_enabled(dec.head)
+    assert not any("forward" in m.__dict__ for m in target.model.modules())
