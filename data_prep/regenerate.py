@@ -21,6 +21,7 @@ import torch
 from tqdm import tqdm
 
 from data_prep.render import SkipRow, check_chat_template, render_text
+from eagle.fastlinear import disable_fast_linear, enable_fast_linear, fast_linear_enabled
 
 
 @dataclass
@@ -83,6 +84,23 @@ def regenerate_with_stats(target, conversations: list[list[dict]], max_new_token
 
     total = sum(min(len(u), n_turns) for _, u in parts)
     bar = tqdm(total=total, desc="regenerate", unit="reply")
+    patched = target.device.type == "cpu" and not fast_linear_enabled(target.model)
+    if patched:  # batched decoding steps multiply each weight by <= batch_size rows: the measured layouts help
+        enable_fast_linear(target.model)
+    try:
+        _regenerate_turns(target, parts, done, active, result, bar, n_turns, max_new_tokens, batch_size,
+                          max_prompt_tokens, pad_id, eos, t0)
+    finally:
+        if patched:
+            disable_fast_linear(target.model)
+    bar.close()
+    result.seconds = time.perf_counter() - t0
+    return result
+
+
+def _regenerate_turns(target, parts, done, active, result, bar, n_turns, max_new_tokens, batch_size,
+                      max_prompt_tokens, pad_id, eos, t0) -> None:
+    tok = target.tokenizer
     with torch.inference_mode():
         for k in range(n_turns):
             # 1. This turn's prompts: the conversation so far plus user turn k, ending in the generation prompt.
@@ -126,9 +144,6 @@ def regenerate_with_stats(target, conversations: list[list[dict]], max_new_token
                 elapsed = time.perf_counter() - t0
                 bar.set_postfix(tok_s=f"{result.new_tokens / max(elapsed, 1e-9):.1f}", turn=k + 1)
             active = sorted(still)
-    bar.close()
-    result.seconds = time.perf_counter() - t0
-    return result
 
 
 def regenerate(target, conversations: list[list[dict]], max_new_tokens: int, batch_size: int = 32,
