@@ -17,23 +17,41 @@ import sys
 import typing
 
 
-def _add_dataclass_args(parser: argparse.ArgumentParser, cls) -> None:
+def _add_dataclass_args(parser: argparse.ArgumentParser, cls, prefix: str = "") -> None:
+    """One flag per field; a nested dataclass field contributes its own fields as flat flags."""
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         flag = "--" + f.name.replace("_", "-")
         tp = hints[f.name]
+        if dataclasses.is_dataclass(tp):
+            _add_dataclass_args(parser, tp, prefix + f.name + ".")
+            continue
         if tp is bool:
-            parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None)
+            parser.add_argument(flag, dest=prefix + f.name, action=argparse.BooleanOptionalAction, default=None)
         else:
             default = f.default if f.default is not dataclasses.MISSING else None
-            parser.add_argument(flag, dest=f.name, default=None, metavar=f.name.upper(),
+            parser.add_argument(flag, dest=prefix + f.name, default=None, metavar=f.name.upper(),
                                 help=f"default: {default}" if default not in (None, "") else None)
+
+
+def _values(cls, flat: dict, prefix: str = "") -> dict:
+    """The flags that were given, nested the way the dataclass nests its fields."""
+    out = {}
+    for f in dataclasses.fields(cls):
+        tp = typing.get_type_hints(cls)[f.name]
+        if dataclasses.is_dataclass(tp):
+            sub = _values(tp, flat, prefix + f.name + ".")
+            if sub:
+                out[f.name] = sub
+        elif flat.get(prefix + f.name) is not None:
+            out[f.name] = flat[prefix + f.name]
+    return out
 
 
 def _config_from_args(cls, args: argparse.Namespace, required: tuple[str, ...] = ()):
     from eagle.configio import from_dict
 
-    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if getattr(args, f.name) is not None}
+    values = _values(cls, vars(args))
     missing = [r for r in required if r not in values]
     if missing:
         raise ValueError(f"missing required option --{missing[0].replace('_', '-')}")
@@ -67,12 +85,17 @@ def cmd_eval(args) -> None:
 
 
 def cmd_generate(args) -> None:
-    from infer import SpeculativeDecoder
+    import torch
 
-    dec = SpeculativeDecoder.from_pretrained(args.target, args.draft,
-                                             num_speculative_tokens=args.num_speculative_tokens)
+    from infer import DecodeConfig, SpeculativeDecoder
+
+    cfg = _config_from_args(DecodeConfig, args)
+    if cfg.mode == "static" and not cfg.tree:
+        raise ValueError("--mode static needs --tree (a JSON list of choice paths, or a file holding one)")
+    dec = SpeculativeDecoder.from_pretrained(args.target, args.draft, **dataclasses.asdict(cfg))
     tok = dec.target.tokenizer
-    stream = dec.stream(args.prompt, args.max_new_tokens, speculative=bool(args.draft))
+    g = torch.Generator().manual_seed(cfg.seed) if cfg.temperature > 0 and cfg.seed is not None else None
+    stream = dec.stream(args.prompt, speculative=bool(args.draft), generator=g)
     ids, shown = [], ""
     while True:
         try:
@@ -91,6 +114,7 @@ def cmd_generate(args) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     from data_prep.prep import PrepConfig
+    from infer import DecodeConfig
     from infer.evaluate import EvalConfig
 
     p = argparse.ArgumentParser(prog="eagle", description="Train EAGLE draft heads and decode with them.")
@@ -109,8 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
     sg.add_argument("--target", default="smollm2-135m")
     sg.add_argument("--draft", default=None)
     sg.add_argument("--prompt", required=True)
-    sg.add_argument("--max-new-tokens", type=int, default=128)
-    sg.add_argument("--num-speculative-tokens", type=int, default=4)
+    _add_dataclass_args(sg, DecodeConfig)
     sg.set_defaults(func=cmd_generate)
     return p
 

@@ -1,7 +1,10 @@
-"""Chain speculative decoding vs plain greedy vs transformers' prompt lookup, all in one run on the same prompts.
+"""Chain and tree speculative decoding vs plain greedy vs transformers' generate and prompt lookup, all in one run
+on the same prompts.
 
     .venv/bin/python benchmarks/chain.py --draft runs/demo/head --data ../shared/evaldata/mt_bench.jsonl \
-        --num-prompts 20 --max-new-tokens 128 --k 2 3 4 5 6
+        --num-prompts 20 --max-new-tokens 128 --k 2 3 4 5 6 --dynamic 4,4,8 2,5,8 --static configs/trees/small.json
+
+`--dynamic TOP_K,DEPTH,TOTAL_TOKENS` adds EAGLE-2 dynamic trees, `--static FILE` a static tree of choice paths.
 
 For every prompt, each method runs back to back (so machine noise hits them alike). Prints a Markdown table and,
 as its last line, a JSON object with every number.
@@ -39,21 +42,32 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=20)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--k", type=int, nargs="+", default=[2, 3, 4, 5, 6])
+    ap.add_argument("--dynamic", nargs="*", default=[], metavar="TOP_K,DEPTH,TOTAL",
+                    help="dynamic trees to add, e.g. 4,4,8")
+    ap.add_argument("--static", nargs="*", default=[], metavar="FILE", help="static trees (JSON choice lists)")
     ap.add_argument("--lookup", type=int, default=10, help="prompt_lookup_num_tokens for transformers")
     args = ap.parse_args()
+    spec = {f"chain_k{k}": dict(mode="chain", num_speculative_tokens=k) for k in args.k}
+    for d in args.dynamic:
+        top_k, depth, total = (int(x) for x in d.split(","))
+        spec[f"dynamic_{top_k}_{depth}_{total}"] = dict(mode="dynamic", top_k=top_k, depth=depth, total_tokens=total)
+    for f in args.static:
+        spec[f"static_{f.rsplit('/', 1)[-1].removesuffix('.json')}"] = dict(mode="static", tree=f)
 
     target = load_target(args.target)
     dec = SpeculativeDecoder.from_pretrained(target, args.draft)
     prompts = load_prompts(args.data, args.num_prompts)
     n = args.max_new_tokens
-    methods = ["engine_greedy", "hf_generate", "hf_prompt_lookup"] + [f"chain_k{k}" for k in args.k]
+    methods = ["engine_greedy", "hf_generate", "hf_prompt_lookup"] + list(spec)
     tokens = {m: 0 for m in methods}
     seconds = {m: 0.0 for m in methods}
-    rounds = {k: [0, 0] for k in args.k}  # emitted, verify passes
+    rounds = {m: [0, 0] for m in spec}  # emitted, verify passes
+    draft_verify = {m: [0.0, 0.0] for m in spec}
     same = {m: 0 for m in methods}
     warm = dec.encode(prompts[0]["prompt"])
     dec.generate(warm, 8, speculative=False)
-    dec.generate(warm, 8, num_speculative_tokens=args.k[0])
+    for kw in spec.values():
+        dec.generate(warm, 8, **kw)
     hf_generate(target, warm, 8)
     for i, p in enumerate(prompts):
         ids = dec.encode(p["prompt"])
@@ -62,11 +76,13 @@ def main() -> None:
         runs = {"engine_greedy": (ref, base.total_s)}
         runs["hf_generate"] = hf_generate(target, ids, n)
         runs["hf_prompt_lookup"] = hf_generate(target, ids, n, args.lookup)
-        for k in args.k:
-            out = dec.generate(ids, n, num_speculative_tokens=k)
-            runs[f"chain_k{k}"] = (out.token_ids, out.total_s)
-            rounds[k][0] += sum(out.accept_lengths) + out.rounds
-            rounds[k][1] += out.rounds
+        for m, kw in spec.items():
+            out = dec.generate(ids, n, **kw)
+            runs[m] = (out.token_ids, out.total_s)
+            rounds[m][0] += sum(out.accept_lengths) + out.rounds
+            rounds[m][1] += out.rounds
+            draft_verify[m][0] += out.draft_s
+            draft_verify[m][1] += out.verify_s
         for m, (toks, s) in runs.items():
             tokens[m] += len(toks)
             seconds[m] += s
@@ -79,7 +95,10 @@ def main() -> None:
         "max_new_tokens": n, "threads": torch.get_num_threads(),
         "tokens_per_s": tps,
         "speedup_vs_engine_greedy": {m: tps[m] / tps["engine_greedy"] for m in methods},
-        "tau": {f"chain_k{k}": e / max(r, 1) for k, (e, r) in rounds.items()},
+        "tau": {m: e / max(r, 1) for m, (e, r) in rounds.items()},
+        "ms_per_round": {m: {"draft": 1e3 * dv[0] / max(rounds[m][1], 1), "verify": 1e3 * dv[1] / max(rounds[m][1], 1)}
+                         for m, dv in draft_verify.items()},
+        "settings": spec,
         "identical_to_engine_greedy": {m: same[m] / len(prompts) for m in methods},
     }
     print()

@@ -20,16 +20,28 @@ from dataclasses import dataclass, field
 
 import torch
 
-from eagle import EagleHead, HeadCache, TargetModel, load_target
+from eagle import EagleHead, TargetModel, load_target
 from eagle.fastlinear import disable_fast_linear, enable_fast_linear, fast_linear_enabled
 from infer import tree
 from infer.cache import TargetCache
+from infer.proposer import Draft, EagleProposer
+from infer.sampling import accept_greedy, accept_sampled, process, sample
 
 
 @dataclass
 class DecodeConfig:
-    num_speculative_tokens: int = 4
+    mode: str = "chain"  # chain | static | dynamic (EAGLE-2)
+    num_speculative_tokens: int = 4  # chain: drafted tokens per round
+    tree: str = ""  # static: choice paths, a JSON list (or a file holding one) such as [[0], [1], [0, 0]]
+    top_k: int = 4  # dynamic: children per expanded node, and nodes expanded per level
+    depth: int = 4  # dynamic: levels drafted per round
+    total_tokens: int = 8  # dynamic: tree nodes verified per round, the root included
     max_new_tokens: int = 128
+    temperature: float = 0.0  # 0: greedy; > 0: lossless sampling from the target's distribution
+    top_p: float = 1.0
+    sampling_top_k: int = 0  # top-k filter of the sampling distribution (0: off); `top_k` shapes the tree
+    seed: int | None = None  # sampling without a generator: seeds one (None: the global RNG)
+    stop: list[str] = field(default_factory=list)  # stop strings: the output ends with the first one
     # chat template for string prompts ("auto": the target's own when it has one, else the raw text)
     chat_template: str = "auto"
     # on CPU, run the target's and the head's linear layers through the measured matmul layouts (eagle.fastlinear)
@@ -42,7 +54,7 @@ class GenerateOutput:
     text: str
     prompt_len: int
     accept_lengths: list[int] = field(default_factory=list)  # accepted drafts per round, bonus token excluded
-    stop_reason: str = ""  # "eos" | "max_new_tokens" | "context_length"
+    stop_reason: str = ""  # "eos" | "stop_string" | "max_new_tokens" | "context_length"
     prefill_s: float = 0.0  # the prompt's forward pass, up to the first new token
     draft_s: float = 0.0
     verify_s: float = 0.0  # verification passes, with acceptance and cache compaction
@@ -69,15 +81,6 @@ def verify_mask(prefix_len: int, node_mask: torch.Tensor, dtype: torch.dtype) ->
     mask = torch.zeros(allowed.shape, dtype=dtype)
     mask.masked_fill_(~allowed, torch.finfo(dtype).min)
     return mask[None, None]
-
-
-def accept_greedy(tokens: torch.Tensor, predicted: torch.Tensor, parents: torch.Tensor,
-                  node_mask: torch.Tensor, depth: torch.Tensor) -> int:
-    """Deepest node whose whole root path agrees with the target's argmax; returns its index (0: none accepted)."""
-    match = torch.ones_like(tokens, dtype=torch.bool)
-    match[1:] = tokens[1:] == predicted[parents[1:]]
-    path_ok = ~(node_mask & ~match[None]).any(-1)
-    return int(torch.where(path_ok, depth, -1).argmax().item())  # the round's one host sync
 
 
 class SpeculativeDecoder:
@@ -134,8 +137,8 @@ class SpeculativeDecoder:
 
     # -- public API ----------------------------------------------------------------------------------------
     def generate(self, prompt: str | list[int], max_new_tokens: int | None = None, speculative: bool = True,
-                 **config) -> GenerateOutput:
-        stream = self.stream(prompt, max_new_tokens, speculative, **config)
+                 generator: torch.Generator | None = None, **config) -> GenerateOutput:
+        stream = self.stream(prompt, max_new_tokens, speculative, generator, **config)
         while True:
             try:
                 next(stream)
@@ -143,9 +146,13 @@ class SpeculativeDecoder:
                 return stop.value
 
     def stream(self, prompt: str | list[int], max_new_tokens: int | None = None, speculative: bool = True,
-               **config):
-        """Yield the new tokens of every round; the generator's return value is the GenerateOutput."""
+               generator: torch.Generator | None = None, **config):
+        """Yield the new tokens of every round; the generator's return value is the GenerateOutput.
+        Nothing after a stop (EOS, a stop string, max_new_tokens, the context length) is yielded, even when
+        it was accepted in the same round."""
         cfg = dataclasses.replace(self.config, **config)
+        if cfg.temperature > 0 and generator is None and cfg.seed is not None:
+            generator = torch.Generator().manual_seed(cfg.seed)
         if max_new_tokens is not None:
             cfg.max_new_tokens = max_new_tokens
         if speculative and self.proposer is None:
@@ -158,13 +165,18 @@ class SpeculativeDecoder:
         eos = set(self.target.eos_ids)
         limit = min(cfg.max_new_tokens, self.target.max_length - len(prompt_ids))
         t0 = time.perf_counter()
-        rounds = self._speculate(prompt_ids, cfg, out) if speculative else self._autoregressive(prompt_ids)
+        rounds = (self._speculate(prompt_ids, cfg, out, generator) if speculative
+                  else self._autoregressive(prompt_ids, cfg, generator))
         out.stop_reason = "context_length" if limit < cfg.max_new_tokens else "max_new_tokens"
         for new in rounds:
             take = new[: limit - len(out.token_ids)]
             hit = next((i for i, t in enumerate(take) if t in eos), None)
             if hit is not None:
                 take, out.stop_reason = take[: hit + 1], "eos"
+            if cfg.stop:
+                cut = self._stop_string_cut(out.token_ids, take, cfg.stop)
+                if cut is not None:
+                    take, hit, out.stop_reason = take[:cut], cut, "stop_string"
             out.token_ids += take
             if take:
                 yield take
@@ -175,52 +187,74 @@ class SpeculativeDecoder:
         out.text = self.target.tokenizer.decode(out.token_ids, skip_special_tokens=True)
         return out
 
+    def _stop_string_cut(self, done: list[int], new: list[int], stops: list[str]) -> int | None:
+        """How many of `new` to keep so that the text ends with the first stop string, or None if none occurs."""
+        tok = self.target.tokenizer
+        seen = len(tok.decode(done, skip_special_tokens=True))
+        start = max(0, seen - max(len(s) for s in stops) + 1)  # a stop may begin in text already emitted
+        for j in range(1, len(new) + 1):
+            text = tok.decode(done + new[:j], skip_special_tokens=True)
+            if any(s in text[start:] for s in stops):
+                return j
+        return None
+
+    def _next_token(self, logits: torch.Tensor, cfg: DecodeConfig, generator) -> torch.Tensor:
+        """The target's token after one row of logits: argmax, or a draw from p."""
+        if cfg.temperature > 0:
+            p = process(logits.view(1, -1), cfg.temperature, cfg.sampling_top_k, cfg.top_p)[0]
+            return torch.tensor([sample(p.cpu(), generator)], device=logits.device)
+        return logits.view(-1).argmax(-1).view(1)
+
     # -- engines -------------------------------------------------------------------------------------------
     @torch.inference_mode()
-    def _autoregressive(self, prompt_ids: list[int]):
-        """Plain greedy decoding with the KV cache: the baseline."""
+    def _autoregressive(self, prompt_ids: list[int], cfg: DecodeConfig, generator):
+        """Plain decoding with the KV cache, one token per target pass: the baseline."""
         t, cache = self.target, TargetCache()
         ids = torch.tensor([prompt_ids], device=t.device)
         pos = torch.arange(ids.shape[1], device=t.device)[None]
         while True:
             feats = t.features(ids, position_ids=pos, cache=cache.hf)
-            ids = t.logits(feats[:, -1:]).argmax(-1)
+            ids = self._next_token(t.logits(feats[0, -1]), cfg, generator)[None]
             pos = pos[:, -1:] + 1
             yield [int(ids.item())]
 
     @torch.inference_mode()
-    def _speculate(self, prompt_ids: list[int], cfg: DecodeConfig, out: GenerateOutput):
+    def _speculate(self, prompt_ids: list[int], cfg: DecodeConfig, out: GenerateOutput, generator):
         """The verify loop: 1 prefill, 2 draft, 3 verify with the tree mask, 4 accept, 5 compact and advance."""
         t, q, dev = self.target, self.proposer, self.target.device
         cache = TargetCache()
         q.reset()
-        parents = tree.chain(cfg.num_speculative_tokens)
-        node_mask, depth = tree.ancestor_mask(parents), tree.depths(parents)
-        node_depth = depth.to(dev)[None]
         # 1. prefill: the target reads the prompt and emits the root, the first new token
         t0 = time.perf_counter()
         ids = torch.tensor([prompt_ids], device=dev)
         L = ids.shape[1]
         feats = t.features(ids, position_ids=torch.arange(L, device=dev)[None], cache=cache.hf)
-        root = t.logits(feats[:, -1]).argmax(-1)
+        root = self._next_token(t.logits(feats[0, -1]), cfg, generator)
         out.prefill_s = time.perf_counter() - t0
         yield [int(root.item())]
         pair_feats, pair_tokens = feats, torch.cat([ids[:, 1:], root[:, None]], dim=1)
         while True:
-            # 2. draft: catch the head up on the accepted tokens, then extend the chain
+            # 2. draft a tree (a chain is one) after catching the head up on the newly committed pairs
             t1 = time.perf_counter()
-            drafts = q.propose(pair_feats, pair_tokens, cfg.num_speculative_tokens)
-            tokens = torch.cat([root[:, None], drafts], dim=1)
+            draft: Draft = q.propose(pair_feats, pair_tokens, cfg, generator)
+            node_mask, depth = tree.ancestor_mask(draft.parents), tree.depths(draft.parents)
+            tokens = draft.tokens.to(dev)[None]
             # 3. verify every node in one target pass; node i sits at position L + depth(i)
             t2 = time.perf_counter()
             mask = verify_mask(L, node_mask, feats.dtype).to(dev)
-            feats = t.features(tokens, position_ids=L + node_depth, attention_mask=mask, cache=cache.hf)
-            p_argmax = t.logits(feats[0]).argmax(-1)
-            # 4. accept the deepest agreeing path, plus the target's own token after it
-            best = accept_greedy(tokens[0].cpu(), p_argmax.cpu(), parents, node_mask, depth)
+            feats = t.features(tokens, position_ids=L + depth.to(dev)[None], attention_mask=mask, cache=cache.hf)
+            logits = t.logits(feats[0])
+            # 4. accept the deepest path the target agrees with, plus the target's own token after it
+            if cfg.temperature > 0:
+                p = process(logits, cfg.temperature, cfg.sampling_top_k, cfg.top_p).cpu()
+                best, nxt = accept_sampled(draft.tokens.cpu(), draft.parents, p, draft.q, generator)
+            else:
+                p_argmax = logits.argmax(-1).cpu()
+                best = accept_greedy(draft.tokens.cpu(), p_argmax, draft.parents, node_mask, depth)
+                nxt = int(p_argmax[best])
             path = tree.path_to(node_mask, best)
             out.accept_lengths.append(int(depth[best]))
-            root = p_argmax[best].view(1)
+            root = torch.tensor([nxt], device=dev)
             # 5. keep only the accepted path in both caches; the head resumes from the target's features
             cache.compact(L, path)
             q.rollback(L)
@@ -231,31 +265,3 @@ class SpeculativeDecoder:
             out.draft_s += t2 - t1
             out.verify_s += t3 - t2
             yield pair_tokens[0].tolist()
-
-
-class EagleProposer:
-    """Drafts with an EAGLE head and its own KV cache (one entry per committed (feature, next token) pair)."""
-
-    def __init__(self, head: EagleHead):
-        self.head, self.cache = head, HeadCache()
-
-    def reset(self) -> None:
-        self.cache = HeadCache()
-
-    def rollback(self, n: int) -> None:
-        """Forget everything past the first n pairs: the drafted entries of the last round."""
-        self.cache.crop(n)
-
-    def propose(self, feats: torch.Tensor, tokens: torch.Tensor, k: int) -> torch.Tensor:
-        """Read the newly committed (feature, next token) pairs, then draft a chain of k tokens greedily; [1, k]."""
-        head, start = self.head, self.cache.length
-        pos = torch.arange(start, start + tokens.shape[1], device=tokens.device)[None]
-        h = head(feats, tokens, pos, cache=self.cache)[:, -1:]
-        drafts = []
-        for i in range(k):
-            q_argmax = head.to_target_ids(head.logits(h).argmax(-1))  # [1, 1]
-            drafts.append(q_argmax)
-            if i + 1 < k:
-                pos = torch.tensor([[self.cache.length]], device=tokens.device)
-                h = head(h, q_argmax, pos, cache=self.cache)
-        return torch.cat(drafts, dim=1)

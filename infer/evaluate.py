@@ -2,6 +2,11 @@
 
     eagle eval --target smollm2-135m --draft runs/demo/head --data ../shared/evaldata/mt_bench.jsonl \
         --num-prompts 20 --max-new-tokens 128 --mode chain --num-speculative-tokens 4 --out runs/eval
+    eagle eval ... --mode dynamic --top-k 4 --depth 4 --total-tokens 8
+    eagle eval ... --mode static --tree configs/trees/small.json --temperature 0.7 --seed 0
+
+Every decoding option is a field of `infer.DecodeConfig` (the `decode` part of EvalConfig; flat on the command
+line). With `--temperature` > 0 both runs sample (seeded), so `lossless` is not defined and reported as null.
 
 Prompt files: one JSON object a line with `turns` (the first turn is used; `question_id`, `category` optional),
 or `messages` / `conversations` (the first user turn), or `prompt`. Writes `report.json` and `report.md`.
@@ -12,13 +17,14 @@ from __future__ import annotations
 import json
 import time
 from collections import defaultdict
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
 from eagle import load_target
-from infer.decoder import GenerateOutput, SpeculativeDecoder
+from infer.decoder import DecodeConfig, GenerateOutput, SpeculativeDecoder
+from infer.proposer import load_choices
 
 
 class EvalError(ValueError):
@@ -32,12 +38,9 @@ class EvalConfig:
     data: str = ""
     out: str = "runs/eval"
     num_prompts: int = 20
-    max_new_tokens: int = 128
-    mode: str = "chain"
-    num_speculative_tokens: int = 4
+    decode: DecodeConfig = field(default_factory=DecodeConfig)
     warmup: int = 1  # prompts decoded once, unmeasured, before timing starts
     num_threads: int = 0
-    fast_linear: bool = True  # measured matmul layouts for the linear layers on CPU (both baseline and speculative)
 
 
 def _first_user_turn(row: dict) -> str | None:
@@ -96,7 +99,7 @@ def acceptance_per_position(accept_lengths: list[int], k: int) -> list[float]:
     return [float((a >= i).float().mean()) for i in range(1, k + 1)]
 
 
-def _summary(pairs: list[tuple[GenerateOutput, GenerateOutput]], k: int) -> dict:
+def _summary(pairs: list[tuple[GenerateOutput, GenerateOutput]], k: int, sampling: bool = False) -> dict:
     acc = [a for _, s in pairs for a in s.accept_lengths]
     rounds = sum(s.rounds for _, s in pairs)
     base_tok, spec_tok = sum(len(b.token_ids) for b, _ in pairs), sum(len(s.token_ids) for _, s in pairs)
@@ -107,7 +110,7 @@ def _summary(pairs: list[tuple[GenerateOutput, GenerateOutput]], k: int) -> dict
         "baseline_tokens_per_s": base_tok / base_s if base_s else 0.0,
         "spec_tokens_per_s": spec_tok / spec_s if spec_s else 0.0,
         "speedup": (spec_tok / spec_s) / (base_tok / base_s) if base_s and spec_s and base_tok else 0.0,
-        "lossless": sum(b.token_ids == s.token_ids for b, s in pairs) / max(len(pairs), 1),
+        "lossless": None if sampling else sum(b.token_ids == s.token_ids for b, s in pairs) / max(len(pairs), 1),
         "draft_s": sum(s.draft_s for _, s in pairs),
         "verify_s": sum(s.verify_s for _, s in pairs),
         "prefill_s": sum(s.prefill_s for _, s in pairs),
@@ -122,22 +125,41 @@ def _summary(pairs: list[tuple[GenerateOutput, GenerateOutput]], k: int) -> dict
     }
 
 
+def draft_depth(d: DecodeConfig) -> int:
+    """The deepest a round's accepted path can go: the positions acceptance is reported for."""
+    if d.mode == "chain":
+        return d.num_speculative_tokens
+    if d.mode == "dynamic":
+        return d.depth
+    if d.mode == "static":
+        return max(len(c) for c in load_choices(d.tree))
+    raise EvalError(f"--mode {d.mode!r}: expected chain, static or dynamic")
+
+
 def evaluate(cfg: EvalConfig, decoder: SpeculativeDecoder | None = None) -> dict:
-    if cfg.mode != "chain":
-        raise EvalError(f"--mode {cfg.mode!r} is not supported yet (supported: chain)")
+    d = cfg.decode
+    if d.mode == "static" and not d.tree:
+        raise EvalError("--mode static needs --tree (a JSON list of choice paths, or a file holding one)")
+    k = draft_depth(d)
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
     prompts = load_prompts(cfg.data, cfg.num_prompts)
     dec = decoder or SpeculativeDecoder.from_pretrained(load_target(cfg.target), cfg.draft or None)
-    k = cfg.num_speculative_tokens
+    dec.config = d
+    sampling = d.temperature > 0
+
+    def run(prompt, n, speculative, i):
+        g = torch.Generator().manual_seed((d.seed or 0) * 1_000_003 + i) if sampling else None
+        return dec.generate(prompt, n, speculative=speculative, generator=g)
+
     for p in prompts[: cfg.warmup]:
-        dec.generate(p["prompt"], min(cfg.max_new_tokens, 16), speculative=False, fast_linear=cfg.fast_linear)
-        dec.generate(p["prompt"], min(cfg.max_new_tokens, 16), num_speculative_tokens=k, fast_linear=cfg.fast_linear)
+        run(p["prompt"], min(d.max_new_tokens, 16), False, -1)
+        run(p["prompt"], min(d.max_new_tokens, 16), True, -1)
     pairs, per_prompt = [], []
     t0 = time.perf_counter()
     for i, p in enumerate(prompts):
-        base = dec.generate(p["prompt"], cfg.max_new_tokens, speculative=False, fast_linear=cfg.fast_linear)
-        spec = dec.generate(p["prompt"], cfg.max_new_tokens, num_speculative_tokens=k, fast_linear=cfg.fast_linear)
+        base = run(p["prompt"], d.max_new_tokens, False, i)
+        spec = run(p["prompt"], d.max_new_tokens, True, i)
         pairs.append((base, spec))
         per_prompt.append({"question_id": p["question_id"], "category": p["category"],
                            "prompt_token_ids": dec.encode(p["prompt"]), "baseline_token_ids": base.token_ids,
@@ -145,14 +167,15 @@ def evaluate(cfg: EvalConfig, decoder: SpeculativeDecoder | None = None) -> dict
                            "tau": spec.tau, "baseline_s": base.total_s, "spec_s": spec.total_s})
         print(f"[{i + 1}/{len(prompts)}] {p['category']}: tau {spec.tau:.2f}, "
               f"{base.tokens_per_s:.1f} -> {spec.tokens_per_s:.1f} tok/s, "
-              f"{'identical' if base.token_ids == spec.token_ids else 'DIFFERENT'}", flush=True)
+              + ("sampled" if sampling else "identical" if base.token_ids == spec.token_ids else "DIFFERENT"),
+              flush=True)
     by_cat = defaultdict(list)
     for (b, s), p in zip(pairs, prompts):
         by_cat[p["category"]].append((b, s))
     report = {
         "settings": asdict(cfg),
-        **_summary(pairs, k),
-        "per_category": {c: _summary(v, k) for c, v in sorted(by_cat.items())},
+        **_summary(pairs, k, sampling),
+        "per_category": {c: _summary(v, k, sampling) for c, v in sorted(by_cat.items())},
         "seconds": time.perf_counter() - t0,
         "prompts": per_prompt,
     }
@@ -164,16 +187,20 @@ def evaluate(cfg: EvalConfig, decoder: SpeculativeDecoder | None = None) -> dict
 
 
 def markdown(r: dict) -> str:
-    s = r["settings"]
+    s, d = r["settings"], r["settings"]["decode"]
+    shape = {"chain": f"k = {d['num_speculative_tokens']}", "static": f"tree {d['tree']}",
+             "dynamic": f"top_k {d['top_k']}, depth {d['depth']}, total_tokens {d['total_tokens']}"}.get(d["mode"], "")
+    temp = f", temperature {d['temperature']}, top_p {d['top_p']}" if d["temperature"] > 0 else ", greedy"
     lines = [f"# Speculative decoding: {s['target']} + {s['draft']}", "",
-             f"{r['num_prompts']} prompts from `{s['data']}`, {s['max_new_tokens']} new tokens, mode {s['mode']}, "
-             f"k = {s['num_speculative_tokens']}", "",
+             f"{r['num_prompts']} prompts from `{s['data']}`, {d['max_new_tokens']} new tokens, mode {d['mode']} "
+             f"({shape}){temp}", "",
              "| set | prompts | tau | baseline tok/s | speculative tok/s | speedup | lossless |",
              "|---|---|---|---|---|---|---|"]
     rows = [("all", r)] + [(c, m) for c, m in r["per_category"].items() if len(r["per_category"]) > 1]
     for name, m in rows:
         lines.append(f"| {name} | {m['num_prompts']} | {m['tau']:.2f} | {m['baseline_tokens_per_s']:.1f} | "
-                     f"{m['spec_tokens_per_s']:.1f} | {m['speedup']:.2f}x | {m['lossless']:.2f} |")
+                     f"{m['spec_tokens_per_s']:.1f} | {m['speedup']:.2f}x | "
+                     f"{'n/a' if m['lossless'] is None else format(m['lossless'], '.2f')} |")
     lines += ["", "Acceptance by draft position: " +
               ", ".join(f"{i + 1}: {a:.2f}" for i, a in enumerate(r["acceptance_per_position"])),
               f"Time drafting {r['draft_s']:.1f}s, verifying {r['verify_s']:.1f}s (speculative runs). "

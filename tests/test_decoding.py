@@ -7,6 +7,7 @@ from tiny import tiny_head, tiny_target
 from infer import SpeculativeDecoder
 from infer import tree
 from infer.cache import TargetCache
+from infer.proposer import Draft
 
 PROMPT = [5, 6, 7, 8, 9, 10, 11]
 
@@ -23,14 +24,15 @@ class OracleProposer:
     def rollback(self, n):
         self.length = n
 
-    def propose(self, feats, tokens, k):
+    def propose(self, feats, tokens, cfg, generator=None):
+        k = cfg.num_speculative_tokens
         self.length += tokens.shape[1]
         # pairs cover tokens up to index `length` (the root); drafts continue after it
         drafts = list(self.truth[self.length + 1: self.length + 1 + k])
         drafts += [0] * (k - len(drafts))
         if self.wrong_at is not None and self.wrong_at < k:
             drafts[self.wrong_at] = (drafts[self.wrong_at] + 1) % self.vocab
-        return torch.tensor([drafts])
+        return Draft.chain(tokens[0, -1], torch.tensor(drafts))
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,7 @@ import json
 import pytest
 from tiny import tiny_head, tiny_target
 
-from infer import SpeculativeDecoder
+from infer import DecodeConfig, SpeculativeDecoder
 from infer.evaluate import EvalConfig, EvalError, acceptance_per_position, evaluate, load_prompts
 
 
@@ -37,7 +37,7 @@ def test_report_has_every_field(tmp_path):
                            for i, c in enumerate(["a", "b", "a"])))
     dec = SpeculativeDecoder(t, tiny_head(t))
     cfg = EvalConfig(target="tiny", draft="random", data=str(f), out=str(tmp_path / "ev"), num_prompts=3,
-                     max_new_tokens=12, num_speculative_tokens=3)
+                     decode=DecodeConfig(max_new_tokens=12, num_speculative_tokens=3))
     r = evaluate(cfg, decoder=dec)
     saved = json.loads((tmp_path / "ev/report.json").read_text())
     for key in ("tau", "acceptance_per_position", "baseline_tokens_per_s", "spec_tokens_per_s", "speedup",
@@ -50,6 +50,37 @@ def test_report_has_every_field(tmp_path):
     for key in ("prompt_token_ids", "accept_lengths", "category"):
         assert key in p
     assert (tmp_path / "ev/report.md").read_text().startswith("# Speculative decoding")
+    for key in ("draft", "verify", "other"):
+        assert saved["round_ms"][key] >= 0
     assert r["tau"] == pytest.approx((sum(sum(q["accept_lengths"]) for q in saved["prompts"])
                                       + sum(len(q["accept_lengths"]) for q in saved["prompts"]))
                                      / sum(len(q["accept_lengths"]) for q in saved["prompts"]))
+
+
+@pytest.mark.parametrize("decode,depth", [
+    (dict(mode="dynamic", top_k=3, depth=4, total_tokens=8), 4),
+    (dict(mode="static", tree="[[0], [1], [0, 0], [0, 0, 0]]"), 3),
+    (dict(mode="chain", num_speculative_tokens=2, temperature=0.8, seed=1), 2),
+])
+def test_eval_modes_record_their_settings(tmp_path, decode, depth):
+    t = tiny_target()
+    f = tmp_path / "p.jsonl"
+    f.write_text(json.dumps({"turns": ["w1 w2 w3"]}) + "\n" + json.dumps({"turns": ["w4 w5"]}))
+    dec = SpeculativeDecoder(t, tiny_head(t))
+    cfg = EvalConfig(target="tiny", data=str(f), out=str(tmp_path / "ev"), num_prompts=2,
+                     decode=DecodeConfig(max_new_tokens=10, **decode))
+    r = evaluate(cfg, decoder=dec)
+    assert len(r["acceptance_per_position"]) == depth
+    assert r["settings"]["decode"]["mode"] == decode["mode"]
+    assert r["lossless"] == (None if decode.get("temperature") else 1.0)
+    assert "mode " + decode["mode"] in (tmp_path / "ev/report.md").read_text()
+
+
+def test_eval_cli_takes_tree_options(tmp_path):
+    from eagle_cli import _config_from_args, build_parser
+
+    args = build_parser().parse_args(["eval", "--data", "x.jsonl", "--mode", "dynamic", "--top-k", "3", "--depth",
+                                      "5", "--total-tokens", "10", "--temperature", "0.7", "--no-fast-linear"])
+    cfg = _config_from_args(EvalConfig, args)
+    assert (cfg.decode.mode, cfg.decode.top_k, cfg.decode.depth, cfg.decode.total_tokens) == ("dynamic", 3, 5, 10)
+    assert cfg.decode.temperature == 0.7 and cfg.decode.fast_linear is False and cfg.data == "x.jsonl"

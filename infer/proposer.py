@@ -1,0 +1,212 @@
+"""Proposers: what drafts a round's tree. The EAGLE head drafts chains, static trees and EAGLE-2 dynamic trees.
+
+Contract (as in transformers' candidate generators): `reset()`, `rollback(n)` and
+`propose(feats, tokens, cfg, generator) -> Draft`, where `feats[t]` / `tokens[t]` are the newly committed
+(target feature, next token) pairs and `tokens[:, -1]` is the root, the last emitted token.
+
+Shapes of the draft, all one code path (levels of nodes expanded with the head's own KV cache, one head pass per
+level with a tree attention mask):
+- chain: k levels of one node;
+- static: EAGLE-1 / Medusa choice lists, converted to parents by `tree.from_choices`; node rank r is the parent's
+  r-th best token (greedy) or its r-th draw without replacement from q (sampling);
+- dynamic (EAGLE-2): `depth` levels; each level expands the `top_k` nodes of best cumulative log q, each into its
+  `top_k` best children; the `total_tokens - 1` best nodes of all levels are kept. With sampling the drafts stay
+  deterministic (top-k), which is lossless with a point-mass q: choosing nodes by the values of sampled children
+  would bias them.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from eagle import EagleHead, HeadCache
+from infer import tree
+from infer.sampling import gumbel_top, process
+
+
+@dataclass
+class Draft:
+    tokens: torch.Tensor             # [N] target token ids; node 0 is the root
+    parents: torch.Tensor            # [N] parent indices, parents[0] == -1, siblings in drawing order
+    q: torch.Tensor | None = None    # [N, V] the distribution node n's children were drawn from (None: point mass)
+
+    @classmethod
+    def chain(cls, root: torch.Tensor, drafts: torch.Tensor) -> "Draft":
+        return cls(torch.cat([root.view(1), drafts.view(-1)]), tree.chain(drafts.numel()))
+
+
+def load_choices(spec) -> list[list[int]]:
+    """Static-tree choices from a list, a JSON string or a JSON file."""
+    if isinstance(spec, (list, tuple)):
+        return [list(c) for c in spec]
+    text = Path(spec).read_text() if not str(spec).lstrip().startswith("[") else str(spec)
+    try:
+        choices = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"tree {spec!r}: not a JSON list of choice paths ({e})") from None
+    if not isinstance(choices, list) or not all(isinstance(c, list) and c for c in choices):
+        raise ValueError(f"tree {spec!r}: expected a JSON list of non-empty lists such as [[0], [1], [0, 0]]")
+    return choices
+
+
+class EagleProposer:
+    """Drafts with an EAGLE head and its own KV cache (one entry per committed (feature, next token) pair)."""
+
+    def __init__(self, head: EagleHead):
+        self.head, self.cache = head, HeadCache()
+        self._static: tuple | None = None  # (choices key, parents, ranks) of the last static tree
+
+    def reset(self) -> None:
+        self.cache = HeadCache()
+
+    def rollback(self, n: int) -> None:
+        """Forget everything past the first n pairs: the drafted entries of the last round."""
+        self.cache.crop(n)
+
+    @torch.inference_mode()
+    def propose(self, feats: torch.Tensor, tokens: torch.Tensor, cfg, generator=None) -> Draft:
+        head, start = self.head, self.cache.length
+        pos = torch.arange(start, start + tokens.shape[1], device=tokens.device)[None]
+        h_root = head(feats, tokens, pos, cache=self.cache)[0, -1:]  # predicts the root's feature
+        sampling = cfg.temperature > 0
+        if cfg.mode == "dynamic":
+            return self._dynamic(h_root, tokens[0, -1], cfg)
+        if cfg.mode == "chain":
+            parents, ranks = tree.chain(cfg.num_speculative_tokens), torch.zeros(cfg.num_speculative_tokens + 1,
+                                                                                  dtype=torch.long)
+        elif cfg.mode == "static":
+            parents, ranks = self._static_tree(cfg.tree)
+        else:
+            raise ValueError(f"mode {cfg.mode!r}: expected chain, static or dynamic")
+        return self._fixed(h_root, tokens[0, -1], parents, ranks, cfg, generator if sampling else None)
+
+    # -- helpers -------------------------------------------------------------------------------------------
+    def _static_tree(self, spec) -> tuple[torch.Tensor, torch.Tensor]:
+        key = json.dumps(spec) if isinstance(spec, (list, tuple)) else str(spec)
+        if self._static is None or self._static[0] != key:
+            parents, ranks = tree.from_choices(load_choices(spec))
+            self._static = (key, parents, ranks)
+        return self._static[1], self._static[2]
+
+    def _logq(self, h: torch.Tensor, cfg) -> torch.Tensor:
+        """log q over the draft vocabulary for each row of h, shaped like the sampling distribution p."""
+        logits = self.head.logits(h)
+        if cfg.temperature > 0:
+            return process(logits, cfg.temperature, cfg.sampling_top_k, cfg.top_p).log()
+        return torch.log_softmax(logits.float(), dim=-1)
+
+    def _extend(self, h_parent: torch.Tensor, token: torch.Tensor, depth: int, anc_slots: torch.Tensor,
+                committed: int) -> torch.Tensor:
+        """One head pass over new nodes (one row each): inputs are the parent's predicted feature and the node's
+        token; node i sees the committed pairs, its drafted ancestors (`anc_slots[i]`, head-cache slots past
+        `committed`) and itself. Returns their predicted features [n, H]."""
+        n, start = token.shape[0], self.cache.length
+        mask = torch.zeros(n, start + n, dtype=torch.bool, device=token.device)
+        mask[:, :committed] = True
+        mask[:, committed:start] = anc_slots[:, : start - committed]
+        mask[:, start:] = torch.eye(n, dtype=torch.bool, device=token.device)
+        pos = torch.full((1, n), committed - 1 + depth, device=token.device)
+        return self.head(h_parent[None], token[None], pos, cache=self.cache, mask=mask)[0]
+
+    def _fixed(self, h_root, root, parents, ranks, cfg, generator) -> Draft:
+        """Chain or static tree: level by level, each node's token is its parent's rank-th choice."""
+        head, n_nodes, committed = self.head, parents.shape[0], self.cache.length
+        depth = tree.depths(parents)
+        toks = torch.empty(n_nodes, dtype=torch.long, device=root.device)
+        toks[0] = root
+        h = torch.empty(n_nodes, h_root.shape[-1], dtype=h_root.dtype, device=h_root.device)
+        h[0] = h_root[0]
+        slot = torch.full((n_nodes,), -1, dtype=torch.long)  # head-cache slot of each expanded node
+        anc = torch.zeros(n_nodes, n_nodes, dtype=torch.bool)  # drafted ancestor slots (incl. the parent)
+        q_rows = torch.zeros(n_nodes, head.config.vocab_size) if generator is not None else None
+        frontier = torch.tensor([0])
+        for d in range(1, int(depth.max()) + 1):
+            logq = self._logq(h[frontier], cfg)  # [f, Vd]
+            level = (depth == d).nonzero().flatten()
+            row = {int(f): i for i, f in enumerate(frontier)}
+            par = parents[level]
+            rows = torch.tensor([row[int(x)] for x in par])
+            if generator is None:
+                need = int(ranks[level].max()) + 1
+                picks = logq.topk(need, dim=-1).indices  # [f, need]
+                chosen = picks[rows, ranks[level]]
+            else:
+                order = torch.empty_like(ranks)  # draw position among siblings, by rank
+                for f in frontier.tolist():
+                    sib = level[par == f]
+                    order[sib] = ranks[sib].argsort().argsort()
+                need = int(order[level].max()) + 1
+                picks = gumbel_top(logq, need, generator)
+                chosen = picks[rows, order[level]]
+                q_rows[frontier] = self._to_target_probs(logq.exp())
+            toks[level] = head.to_target_ids(chosen)
+            expand = level[torch.isin(level, parents[1:])]  # nodes that have children of their own
+            if expand.numel():
+                p_exp = parents[expand]
+                anc[expand] = anc[p_exp]
+                has_slot = slot[p_exp] >= 0
+                anc[expand[has_slot], slot[p_exp[has_slot]]] = True
+                h[expand] = self._extend(h[p_exp], toks[expand], d, anc[expand], committed)
+                slot[expand] = torch.arange(self.cache.length - committed - expand.numel(),
+                                            self.cache.length - committed)
+            frontier = expand
+        return Draft(toks, parents, q_rows)
+
+    def _dynamic(self, h_root, root, cfg) -> Draft:
+        """EAGLE-2: expand the top_k best frontier nodes for `depth` levels, keep the total_tokens best nodes."""
+        head, committed, k = self.head, self.cache.length, cfg.top_k
+        dev = root.device
+        # every candidate node: token (draft id), parent (candidate index, -1 = root), cumulative log q
+        cand_tok, cand_par, cand_score = [], [], []
+        cand_anc = []  # [n, slots] drafted ancestors incl. the parent's slot
+        front_h, front_idx = h_root, torch.tensor([-1])
+        front_score = torch.zeros(1)
+        front_anc = torch.zeros(1, max(1, k * cfg.depth), dtype=torch.bool)
+        n_cand = 0
+        for d in range(1, cfg.depth + 1):
+            logq = self._logq(front_h, cfg)  # [f, Vd]
+            top = logq.topk(k, dim=-1)
+            scores = (front_score[:, None] + top.values.cpu()).flatten()  # [f * k]
+            tok = top.indices.flatten()
+            par = front_idx.repeat_interleave(k)
+            rows = torch.arange(front_idx.shape[0]).repeat_interleave(k)
+            cand_tok.append(tok)
+            cand_par.append(par)
+            cand_score.append(scores)
+            new_idx = torch.arange(n_cand, n_cand + tok.shape[0])
+            n_cand += tok.shape[0]
+            if d == cfg.depth:
+                break
+            best = scores.topk(min(k, scores.shape[0])).indices  # the next frontier
+            anc = front_anc[rows[best]].clone()
+            used = self.cache.length - committed
+            if d > 1:  # the parents (previous frontier) occupy slots used - f .. used - 1
+                anc[torch.arange(best.shape[0]), used - front_idx.shape[0] + rows[best]] = True
+            front_h = self._extend(front_h[rows[best]], head.to_target_ids(tok[best]), d, anc, committed)
+            front_idx, front_score, front_anc = new_idx[best], scores[best], anc
+        tok, par, score = torch.cat(cand_tok), torch.cat(cand_par), torch.cat(cand_score)
+        # keep the best total_tokens - 1 nodes; a child never scores above its parent, and ties go to the older
+        # node, so the kept set is closed under parents
+        keep_n = min(cfg.total_tokens - 1, score.shape[0])
+        order = torch.argsort(-score, stable=True)[:keep_n].sort().values
+        new_index = torch.full((score.shape[0] + 1,), -1, dtype=torch.long)  # shifted by one: -1 -> root
+        new_index[0] = 0
+        new_index[order + 1] = torch.arange(1, keep_n + 1)
+        parents = torch.cat([torch.tensor([-1]), new_index[par[order] + 1]])
+        if (parents[1:] < 0).any():
+            raise RuntimeError("dynamic tree lost a parent")  # cannot happen: scores fall along every path
+        tokens = torch.cat([root.view(1), head.to_target_ids(tok[order].to(dev))])
+        return Draft(tokens, parents, None)
+
+    def _to_target_probs(self, q_draft: torch.Tensor) -> torch.Tensor:
+        """[n, Vd] draft-vocabulary probabilities -> [n, V] over the target vocabulary (zero outside the draft's)."""
+        head = self.head
+        if not head.config.draft_vocab_size:
+            return q_draft.float().cpu()
+        out = torch.zeros(q_draft.shape[0], head.config.vocab_size)
+        out[:, head.d2t.cpu()] = q_draft.float().cpu()
+        return out

@@ -1,0 +1,84 @@
+"""Distributions and acceptance: greedy matching, and lossless rejection sampling over chains and trees.
+
+Paper notation: p is the target, q the draft. `process` turns logits into the sampling distribution (temperature,
+top-k, top-p), applied alike to p and q. `accept_greedy` keeps the deepest node whose root path agrees with the
+target's argmax. `accept_sampled` walks the tree from the root with recursive rejection sampling: the children of
+a node are tried in the order they were drawn; child c_i, drawn from q_i (q without the siblings drawn before it,
+renormalised; a point mass when the drafts were deterministic top-k), is accepted with probability
+min(1, p(c_i) / q_i(c_i)); on rejection p becomes norm(max(0, p - q_i)). When no child is accepted the next token
+is drawn from what is left of p, so every emitted token is distributed exactly as the target's (Leviathan et al.
+2023; Chen et al. 2023; the multi-candidate form as in SpecInfer).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def process(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    """Probabilities after temperature, top-k and top-p (nucleus) filtering; rows of `logits` are independent."""
+    logits = logits.float() / temperature
+    if top_k and top_k < logits.shape[-1]:
+        kth = logits.topk(top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if top_p < 1.0:
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        # drop a token when the mass strictly before it already reaches top_p (the top token always stays)
+        drop = (sorted_p.cumsum(-1) - sorted_p) >= top_p
+        probs = probs.scatter(-1, order, sorted_p.masked_fill(drop, 0.0))
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    return int(torch.multinomial(probs, 1, generator=generator).item())
+
+
+def gumbel_top(logq: torch.Tensor, m: int, generator: torch.Generator | None) -> torch.Tensor:
+    """m draws without replacement from softmax(logq), in the order drawn (the Gumbel-top-k trick); [..., m]."""
+    u = torch.rand(logq.shape, generator=generator, dtype=torch.float32).clamp_(1e-20, 1.0)
+    keys = logq.float() - torch.log(-torch.log(u))
+    return keys.topk(m, dim=-1).indices
+
+
+def accept_greedy(tokens: torch.Tensor, predicted: torch.Tensor, parents: torch.Tensor,
+                  node_mask: torch.Tensor, depth: torch.Tensor) -> int:
+    """Deepest node whose whole root path agrees with the target's argmax; returns its index (0: none accepted)."""
+    match = torch.ones_like(tokens, dtype=torch.bool)
+    match[1:] = tokens[1:] == predicted[parents[1:]]
+    path_ok = ~(node_mask & ~match[None]).any(-1)
+    return int(torch.where(path_ok, depth, -1).argmax().item())  # the round's one host sync
+
+
+def accept_sampled(tokens: torch.Tensor, parents: torch.Tensor, p: torch.Tensor, q: torch.Tensor | None,
+                   generator: torch.Generator | None) -> tuple[int, int]:
+    """Recursive rejection sampling down the tree. `p[n]` is the target's distribution after node n, `q[n]` the
+    draft distribution node n's children were drawn from, in drawing order (None: deterministic drafts, a point
+    mass each). Returns (deepest accepted node, the token the target emits after it)."""
+    children: dict[int, list[int]] = {}
+    for n, par in enumerate(parents.tolist()[1:], start=1):
+        children.setdefault(par, []).append(n)
+    node = 0
+    while True:
+        p_left = p[node].clone()
+        q_left = None if q is None else q[node].clone()
+        for c in children.get(node, []):
+            x = int(tokens[c])
+            if q_left is None:  # a point mass on x: accept with probability p(x)
+                q_x, residual = 1.0, None
+            else:
+                q_i = q_left / q_left.sum()
+                q_x, residual = float(q_i[x]), q_i
+            u = float(torch.rand((), generator=generator))
+            if u * q_x < float(p_left[x]):
+                node = c
+                break
+            if residual is None:
+                p_left[x] = 0.0
+            else:
+                p_left = (p_left - residual).clamp_(min=0.0)
+                q_left[x] = 0.0  # the next sibling was drawn without x
+            p_left /= p_left.sum()
+        else:
+            return node, sample(p_left, generator)
