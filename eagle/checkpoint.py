@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from eagle.head import EagleHead, HeadConfig
+from eagle.head import EagleHead, HeadConfig, make_head
 
 
 class CheckpointError(ValueError):
@@ -81,7 +81,7 @@ def load_head(path, device="cpu", dtype=torch.float32) -> EagleHead:
     if not weights.exists():
         raise CheckpointError(f"draft head {str(path)!r}: no model.safetensors")
     state = load_file(str(weights))
-    head = EagleHead(cfg)
+    head = make_head(cfg)
     problems = validate_state(head, state)
     if problems:
         raise CheckpointError(f"draft head {str(path)!r} does not match its config: " + "; ".join(problems))

@@ -275,3 +275,110 @@ class EagleHead(nn.Module):
         from eagle.checkpoint import load_head
 
         return load_head(path, device=device, dtype=dtype)
+
+
+class Eagle3Layer(nn.Module):
+    """EAGLE-3's decoder layer: attention reads concat(norm(embedding), norm(hidden)) (2H); the residual is the
+    hidden stream."""
+
+    def __init__(self, cfg: HeadConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)  # on the token embedding
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)  # on the fused feature / own hidden
+        self.self_attn = Attention(cfg, in_dim=2 * cfg.hidden_size)
+        self.mlp = MLP(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, emb, x, cos, sin, cache, layer, mask):
+        a = torch.cat([self.input_layernorm(emb), self.hidden_norm(x)], dim=-1)
+        h = x + self.self_attn(a, cos, sin, cache, layer, mask)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Eagle3Head(EagleHead):
+    """EAGLE-3 draft head (Li et al. 2025):
+
+        x[t] = fc(concat(low[t], mid[t], high[t]))          # 3H -> H, target features of three layers
+        h[t] = Eagle3Layer(embed(x_tok[t+1]), x)[t]          # attention over concat(norm(emb), norm(x))
+        q(x_tok[t+2]) = softmax(draft_head(norm(h[t])))      # its own lm_head over the draft vocabulary
+
+    When drafting (and in the training-time test) the head's own h[t] replaces x at the next step: `forward`
+    takes 3H-wide target features or H-wide hidden states and tells them apart by width. The draft vocabulary
+    (`d2t`, draft index -> target id; `t2d`, target id -> in the draft vocabulary?) is saved with the head.
+    """
+
+    def __init__(self, config: HeadConfig):
+        nn.Module.__init__(self)
+        self.config = config
+        H, n_feats = config.hidden_size, len(config.feature_layer_ids)
+        vocab = config.draft_vocab_size or config.vocab_size
+        self.fc = nn.Linear(n_feats * H, H, bias=False)
+        self.layers = nn.ModuleList([Eagle3Layer(config)])
+        self.norm = RMSNorm(H, config.rms_norm_eps)
+        self.draft_head = nn.Linear(H, vocab, bias=False)
+        self.register_buffer("d2t", torch.arange(vocab), persistent=True)
+        self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool), persistent=True)
+        self.t2d[self.d2t] = True
+        self.embed_tokens = None
+        self.lm_head = None
+        self.draft_lm_weight = None  # the target's lm_head rows of the draft vocabulary: training targets p
+
+    def set_draft_vocab(self, d2t: torch.Tensor) -> None:
+        if d2t.shape != self.d2t.shape:
+            raise ValueError(f"draft vocabulary of {d2t.shape[0]} ids does not fit draft_vocab_size="
+                             f"{self.d2t.shape[0]}")
+        self.d2t.copy_(d2t)
+        self.t2d.zero_()
+        self.t2d[d2t] = True
+        self._gather_draft_rows()
+
+    def _gather_draft_rows(self) -> None:
+        if self.lm_head is not None:
+            self.draft_lm_weight = self.lm_head.weight[self.d2t].contiguous().detach()
+
+    def init_from_target_lm_head(self) -> None:
+        """Start the draft lm_head from the target's rows of the draft vocabulary."""
+        with torch.no_grad():
+            self.draft_head.weight.copy_(self.lm_head.weight[self.d2t].to(self.draft_head.weight.dtype))
+
+    def init_identity_fc(self) -> None:
+        """fc starts as the mean of the fused features, so the head first sees something like a target hidden."""
+        H, n = self.config.hidden_size, len(self.config.feature_layer_ids)
+        with torch.no_grad():
+            self.fc.weight.copy_(torch.eye(H, dtype=self.fc.weight.dtype).repeat(1, n) / n)
+
+    def init_from_target_layer(self, target, layer: int = -1) -> None:
+        raise ValueError("model.init target_last_layer: EAGLE-3's layer reads 2H-wide inputs, no target layer fits")
+
+    def forward(self, features: torch.Tensor, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                cache: HeadCache | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Fused target features (3H) or the head's own hidden states (H), with token t+1 -> hidden h[t]."""
+        x = self.fc(features) if features.shape[-1] != self.config.hidden_size else features
+        emb = self.embed(input_ids).to(x.dtype)
+        cos, sin = rope_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta, x.dtype)
+        for i, layer in enumerate(self.layers):
+            x = layer(emb, x, cos, sin, cache, i, mask)
+        if cache is not None:
+            cache.length += input_ids.shape[1]
+        return x
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.draft_head(self.norm(hidden))
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return self.d2t[draft_ids]
+
+
+def make_head(config: HeadConfig) -> EagleHead:
+    """The head class named by `config.head_type`."""
+    if config.head_type == "eagle1":
+        return EagleHead(config)
+    if config.head_type == "eagle3":
+        return Eagle3Head(config)
+    raise ValueError(f"head_type {config.head_type!r}: expected eagle1 or eagle3")
+
+
+def eagle3_layers(num_layers: int) -> list[int]:
+    """EAGLE-3's default feature layers (low, middle, high), indexed like transformers' `hidden_states` tuple
+    (0 is the embedding output, i the output of layer i)."""
+    return [2, num_layers // 2, num_layers - 3]

@@ -150,9 +150,21 @@ class TargetModel:
 
     def features(self, input_ids, position_ids=None, attention_mask=None, cache=None) -> torch.Tensor:
         """Last hidden state after the final norm, [B, T, H]; appends to `cache` when given."""
+        return self.hidden(input_ids, position_ids, attention_mask, cache)[0]
+
+    def hidden(self, input_ids, position_ids=None, attention_mask=None, cache=None,
+               layers: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(last hidden state after the final norm [B, T, H], the `layers` of transformers' `hidden_states`
+        tuple concatenated [B, T, len(layers) * H], or None without `layers`)."""
         kw = {self._cache_kw: cache, "use_cache": cache is not None}
-        out = self.base(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, **kw)
-        return out.last_hidden_state
+        out = self.base(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
+                        output_hidden_states=bool(layers), **kw)
+        aux = torch.cat([out.hidden_states[i] for i in layers], dim=-1) if layers else None
+        return out.last_hidden_state, aux
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.config.num_hidden_layers)
 
     def logits(self, features: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(features)

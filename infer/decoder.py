@@ -91,6 +91,9 @@ class SpeculativeDecoder:
         if head is not None:
             head.attach(target)
         self.proposer = proposer or (EagleProposer(head) if head is not None else None)
+        # EAGLE-3 heads read several target layers; EAGLE-1/2 heads the last features
+        self._head_layers = (list(head.config.feature_layer_ids)
+                             if head is not None and head.config.head_type == "eagle3" else None)
 
     def _use_fast_linear(self, on: bool) -> None:
         """Patch (or restore) the linear layers of the target and the head in place; the first call on a machine
@@ -228,11 +231,13 @@ class SpeculativeDecoder:
         t0 = time.perf_counter()
         ids = torch.tensor([prompt_ids], device=dev)
         L = ids.shape[1]
-        feats = t.features(ids, position_ids=torch.arange(L, device=dev)[None], cache=cache.hf)
+        feats, aux = t.hidden(ids, position_ids=torch.arange(L, device=dev)[None], cache=cache.hf,
+                              layers=self._head_layers)
         root = self._next_token(t.logits(feats[0, -1]), cfg, generator)
         out.prefill_s = time.perf_counter() - t0
         yield [int(root.item())]
-        pair_feats, pair_tokens = feats, torch.cat([ids[:, 1:], root[:, None]], dim=1)
+        head_in = feats if aux is None else aux  # what the head reads: last features, or EAGLE-3's fused layers
+        pair_feats, pair_tokens = head_in, torch.cat([ids[:, 1:], root[:, None]], dim=1)
         while True:
             # 2. draft a tree (a chain is one) after catching the head up on the newly committed pairs
             t1 = time.perf_counter()
@@ -242,7 +247,8 @@ class SpeculativeDecoder:
             # 3. verify every node in one target pass; node i sits at position L + depth(i)
             t2 = time.perf_counter()
             mask = verify_mask(L, node_mask, feats.dtype).to(dev)
-            feats = t.features(tokens, position_ids=L + depth.to(dev)[None], attention_mask=mask, cache=cache.hf)
+            feats, aux = t.hidden(tokens, position_ids=L + depth.to(dev)[None], attention_mask=mask, cache=cache.hf,
+                                  layers=self._head_layers)
             logits = t.logits(feats[0])
             # 4. accept the deepest path the target agrees with, plus the target's own token after it
             if cfg.temperature > 0:
@@ -259,7 +265,7 @@ class SpeculativeDecoder:
             cache.compact(L, path)
             q.rollback(L)
             L += path.shape[0]
-            pair_feats = feats[:, path.to(dev)]
+            pair_feats = (feats if aux is None else aux)[:, path.to(dev)]
             pair_tokens = torch.cat([tokens[:, path[1:].to(dev)], root[:, None]], dim=1)
             t3 = time.perf_counter()
             out.draft_s += t2 - t1

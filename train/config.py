@@ -13,7 +13,9 @@ from dataclasses import dataclass, field
 @dataclass
 class ModelConfig:
     target: str = "smollm2-135m"
-    head_type: str = "eagle1"
+    head_type: str = "eagle1"  # eagle1 (EAGLE-1/2: last features, feature regression) | eagle3 (three layers, TTT)
+    # EAGLE-3: the target layers fused, indexed like transformers' hidden_states (empty: 2, L // 2, L - 3)
+    feature_layers: list[int] = field(default_factory=list)
     # "identity": fc passes the feature through; "target_last_layer": the decoder layer starts as the target's
     # last layer; "random": from scratch
     init: str = "identity"
@@ -29,6 +31,9 @@ class DataConfig:
     # more prepared directories whose train rows are added (e.g. raw ShareGPT rows beside regenerated ones)
     extra: list[str] = field(default_factory=list)
     max_length: int = 1024  # longer training rows are cut (the loss mask is cut with them)
+    # online: run the target on every batch (no feature cache on disk; slower); else features are computed once
+    # and cached beside the prepared rows
+    online: bool = False
 
 
 @dataclass
@@ -43,7 +48,7 @@ class OptimConfig:
 
 @dataclass
 class LossConfig:
-    feature_weight: float = 1.0  # smooth-L1 on the next feature
+    feature_weight: float = 1.0  # smooth-L1 on the next feature (EAGLE-1/2 heads only; EAGLE-3 uses CE alone)
     ce_weight: float = 0.1  # cross-entropy against the target's distribution
     noise: float = 0.2  # width of the uniform noise added to input features (EAGLE: U(-0.1, 0.1))
     # Unrolled draft steps: step s reads the head's own step s-1 predictions as features, attending to the true

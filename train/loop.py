@@ -25,6 +25,7 @@ from data_prep.prep import load_examples
 from eagle import EagleHead, HeadConfig, TargetModel, load_target
 from eagle.checkpoint import load_head, save_head
 from eagle.configio import save_config
+from eagle.head import eagle3_layers, make_head
 from train.config import TrainConfig
 
 
@@ -63,19 +64,26 @@ def make_batches(lengths: list[int], batch_tokens: int, gen: torch.Generator) ->
     return [batches[p] for p in perm]
 
 
-def collate(rows, feats, idx: list[int]):
+def collate(rows, feats, idx: list[int], target: TargetModel | None = None, layers: list[int] | None = None):
+    """Right-padded (ids, loss mask, features) of the rows `idx`; without cached `feats` the target computes the
+    features now (online training)."""
     T = max(rows[i][0].shape[0] for i in idx)
-    B, H = len(idx), feats[idx[0]].shape[-1]
+    B = len(idx)
     ids = torch.zeros(B, T, dtype=torch.long)
     mask = torch.zeros(B, T, dtype=torch.bool)
-    f = torch.zeros(B, T, H, dtype=feats[idx[0]].dtype)
     for b, i in enumerate(idx):
         n = rows[i][0].shape[0]
-        ids[b, :n], mask[b, :n], f[b, :n] = rows[i][0], rows[i][1], feats[i]
+        ids[b, :n], mask[b, :n] = rows[i][0], rows[i][1]
+    if feats is None:
+        return ids, mask, batch_features(target, ids, layers)
+    f = torch.zeros(B, T, feats[idx[0]].shape[-1], dtype=feats[idx[0]].dtype)
+    for b, i in enumerate(idx):
+        f[b, : rows[i][0].shape[0]] = feats[i]
     return ids, mask, f
 
 
-def cached_features(target: TargetModel, rows, prepared: Path, split: str) -> list[torch.Tensor]:
+def cached_features(target: TargetModel, rows, prepared: Path, split: str,
+                    layers: list[int] | None = None) -> list[torch.Tensor]:
     """Target features of every row, kept next to the prepared rows so later runs on the same data skip the pass.
 
     One safetensors file per split, keyed by the target's tokenizer fingerprint and hidden size; it is written
@@ -83,13 +91,14 @@ def cached_features(target: TargetModel, rows, prepared: Path, split: str) -> li
     """
     from safetensors.torch import load_file, save_file
 
-    path = prepared / f"features-{split}-{target.fingerprint}-{target.hidden_size}.safetensors"
+    key = "" if not layers else "-layers" + "_".join(str(i) for i in layers)
+    path = prepared / f"features-{split}-{target.fingerprint}-{target.hidden_size}{key}.safetensors"
     lengths = torch.tensor([r[0].shape[0] for r in rows])
     if path.exists():
         data = load_file(str(path))
         if torch.equal(data["lengths"], lengths):
             return list(torch.split(data["features"], lengths.tolist()))
-    feats = target_features(target, rows, f"target features ({split})")
+    feats = target_features(target, rows, f"target features ({split})", layers)
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
     save_file({"features": torch.cat(feats), "lengths": lengths}, str(tmp))
     os.replace(tmp, path)
@@ -97,8 +106,16 @@ def cached_features(target: TargetModel, rows, prepared: Path, split: str) -> li
 
 
 @torch.inference_mode()
-def target_features(target: TargetModel, rows, desc: str) -> list[torch.Tensor]:
-    """Run the target once over every row (batched by length) and keep its post-norm last hidden states."""
+def batch_features(target: TargetModel, ids: torch.Tensor, layers: list[int] | None = None) -> torch.Tensor:
+    """[B, T, H] post-norm last hidden states of right-padded rows, with the `layers` appended ([B, T, (1+n)H])."""
+    last, aux = target.hidden(ids.to(target.device), layers=layers)
+    return (last if aux is None else torch.cat([last, aux], dim=-1)).float().cpu()
+
+
+@torch.inference_mode()
+def target_features(target: TargetModel, rows, desc: str, layers: list[int] | None = None) -> list[torch.Tensor]:
+    """Run the target once over every row (batched by length) and keep its post-norm last hidden states
+    (followed by the `layers` an EAGLE-3 head reads)."""
     out: list[torch.Tensor | None] = [None] * len(rows)
     order = sorted(range(len(rows)), key=lambda i: rows[i][0].shape[0])
     bar = tqdm(total=sum(r[0].shape[0] for r in rows), desc=desc, unit="tok", dynamic_ncols=True)
@@ -111,7 +128,7 @@ def target_features(target: TargetModel, rows, desc: str) -> list[torch.Tensor]:
         ids = torch.zeros(len(idx), T, dtype=torch.long)
         for b, k in enumerate(idx):
             ids[b, : rows[k][0].shape[0]] = rows[k][0]  # right padding: causal attention keeps rows intact
-        feats = target.features(ids.to(target.device)).float().cpu()
+        feats = batch_features(target, ids, layers)
         for b, k in enumerate(idx):
             out[k] = feats[b, : rows[k][0].shape[0]].clone()
         bar.update(sum(rows[k][0].shape[0] for k in idx))
@@ -143,43 +160,66 @@ def unrolled_mask(n: int, s: int) -> torch.Tensor:
     return torch.cat(blocks, dim=1)
 
 
-def eagle1_loss(head: EagleHead, ids, mask, feats, cfg: TrainConfig, gen):
-    """Predict feature t+1 from (feature t, token t+1); scored where token t+2 is an assistant token.
+def head_loss(head: EagleHead, ids, mask, feats, cfg: TrainConfig, gen):
+    """The draft loss on one batch; `feats` holds the target's last features, then (EAGLE-3) its fused layers.
 
-    With `loss.steps` > 1 the head is unrolled on its own predictions (see `unrolled_mask`). p and q are taken
-    over the head's draft vocabulary (renormalised there when it is reduced).
+    EAGLE-1/2: predict feature t+1 from (feature t, token t+1); smooth-L1 on the feature plus ce_weight x CE
+    against the target's p. EAGLE-3: CE alone, over the draft vocabulary; positions whose next token lies
+    outside it are not scored (the data is the target's own greedy text, so that token is the target's argmax).
+    Scored where token t+2 is an assistant token. With `loss.steps` > 1 the head is unrolled on its own outputs
+    (the training-time test, see `unrolled_mask`), step s weighted step_decay^(s-1). p and q are taken over the
+    head's draft vocabulary (renormalised there when it is reduced).
     """
     from eagle import HeadCache
 
+    eagle3 = head.config.head_type == "eagle3"
+    H = head.config.hidden_size
     B, T = ids.shape
     n = T - 1
-    noise = (torch.rand(feats[:, :-1].shape, generator=gen) - 0.5) * cfg.loss.noise
-    x = feats[:, :-1] + noise.to(feats.dtype)
+    last = feats[..., :H]
+    if eagle3:
+        x = feats[:, :-1, H:]
+    else:
+        noise = (torch.rand(last[:, :-1].shape, generator=gen) - 0.5) * cfg.loss.noise
+        x = last[:, :-1] + noise.to(feats.dtype)
     pos = torch.arange(n)[None].expand(B, -1)
     cache = HeadCache() if cfg.loss.steps > 1 else None
     scored = torch.zeros(B, n, dtype=torch.bool)
     scored[:, :-1] = mask[:, 2:]
+    if eagle3:
+        scored[:, :-1] &= head.t2d[ids[:, 2:]]
     total, stats = 0.0, {}
     for s in range(1, cfg.loss.steps + 1):
         if s == 1:
             pred = head(x, ids[:, 1:], pos, cache=cache)
-        else:  # step s at position p reads step s-1's prediction made at p-1
+        else:  # step s at position p reads step s-1's output made at p-1
             x = torch.cat([torch.zeros_like(pred[:, :1]), pred[:, :-1]], dim=1)
             pred = head(x, ids[:, 1:], pos, cache=cache, mask=unrolled_mask(n, s))
         sel = scored.clone()
         sel[:, : s - 1] = False  # positions before s-1 have no step-s input
-        out, want = pred[sel], feats[:, 1:][sel]  # only scored positions reach the costly lm_head
-        feat_loss = F.smooth_l1_loss(out, want)
+        out, want = pred[sel], last[:, 1:][sel]  # only scored positions reach the costly lm_head
+        if out.shape[0] == 0:
+            break
         with torch.no_grad():
-            p = F.softmax(head.logits(want), dim=-1)
+            p_logits = F.linear(want, head.draft_lm_weight)
+            if head.config.logit_softcap:
+                p_logits = torch.tanh(p_logits / head.config.logit_softcap) * head.config.logit_softcap
+            p = F.softmax(p_logits, dim=-1)
         log_q = F.log_softmax(head.logits(out), dim=-1)
         ce = -(p * log_q).sum(-1).mean()
-        total = total + cfg.loss.step_decay ** (s - 1) * (cfg.loss.feature_weight * feat_loss + cfg.loss.ce_weight * ce)
-        if s == 1:
-            acc = (log_q.argmax(-1) == p.argmax(-1)).float().mean()
-            stats = {"feat": feat_loss.item(), "ce": ce.item(), "acc": acc.item(), "tokens": out.shape[0]}
+        if eagle3:
+            step_loss = ce
         else:
-            stats[f"acc{s}"] = (log_q.argmax(-1) == p.argmax(-1)).float().mean().item()
+            feat_loss = F.smooth_l1_loss(out, want)
+            step_loss = cfg.loss.feature_weight * feat_loss + cfg.loss.ce_weight * ce
+        total = total + cfg.loss.step_decay ** (s - 1) * step_loss
+        acc = (log_q.argmax(-1) == p.argmax(-1)).float().mean().item()
+        if s == 1:
+            stats = {"ce": ce.item(), "acc": acc, "tokens": out.shape[0]}
+            if not eagle3:
+                stats["feat"] = feat_loss.item()
+        else:
+            stats[f"acc{s}"] = acc
     return total, {"loss": total.item(), **stats}
 
 
@@ -213,11 +253,12 @@ def validate(head, target, val_rows, val_feats, prompts, cfg: TrainConfig) -> di
 
     head.eval()
     gen = torch.Generator().manual_seed(0)
+    layers = list(head.config.feature_layer_ids) if head.config.head_type == "eagle3" else None
     stats, n = {"val_loss": 0.0, "val_acc": 0.0}, 0
     with torch.no_grad():
         for idx in make_batches([r[0].shape[0] for r in val_rows], cfg.optim.batch_tokens, gen):
-            ids, mask, feats = collate(val_rows, val_feats, idx)
-            _, m = eagle1_loss(head, ids, mask, feats, cfg, gen)
+            ids, mask, feats = collate(val_rows, val_feats, idx, target, layers)
+            _, m = head_loss(head, ids, mask, feats, cfg, gen)
             stats["val_loss"] += m["loss"] * m["tokens"]
             stats["val_acc"] += m["acc"] * m["tokens"]
             n += m["tokens"]
@@ -238,8 +279,8 @@ def validate(head, target, val_rows, val_feats, prompts, cfg: TrainConfig) -> di
 def train(cfg: TrainConfig, target: TargetModel | None = None) -> dict:
     from accelerate import Accelerator
 
-    if cfg.model.head_type != "eagle1":
-        raise TrainError(f"model.head_type {cfg.model.head_type!r} is not supported yet (supported: eagle1)")
+    if cfg.model.head_type not in ("eagle1", "eagle3"):
+        raise TrainError(f"model.head_type {cfg.model.head_type!r}: expected eagle1 or eagle3")
     if not (cfg.budget.max_steps or cfg.budget.minutes or cfg.budget.epochs):
         raise TrainError("set a budget: budget.max_steps, budget.minutes or budget.epochs")
     if cfg.num_threads:
@@ -257,13 +298,24 @@ def train(cfg: TrainConfig, target: TargetModel | None = None) -> dict:
     dtype = getattr(torch, cfg.model.dtype)
     target = target or load_target(cfg.model.target, device=accelerator.device, dtype=dtype)
     rows, val_rows = load_rows(cfg, "train", cfg.data.prepared), load_rows(cfg, "val", cfg.data.prepared)
+    layers = None
+    if cfg.model.head_type == "eagle3":
+        layers = cfg.model.feature_layers or eagle3_layers(target.num_layers)
+        bad = [i for i in layers if not 0 <= i <= target.num_layers]
+        if bad:
+            raise TrainError(f"model.feature_layers {bad}: the target's hidden_states run 0..{target.num_layers}")
     t_feat = time.perf_counter()
-    feats = cached_features(target, rows, Path(cfg.data.prepared), "train")
-    val_feats = cached_features(target, val_rows, Path(cfg.data.prepared), "val")
     for extra in cfg.data.extra:
-        more = load_rows(cfg, "train", extra)
-        rows += more
-        feats += cached_features(target, more, Path(extra), "train")
+        rows += load_rows(cfg, "train", extra)
+    if cfg.data.online:  # features come from the target batch by batch
+        feats = val_feats = None
+    else:
+        n_main = len(load_rows(cfg, "train", cfg.data.prepared))
+        feats = cached_features(target, rows[:n_main], Path(cfg.data.prepared), "train", layers)
+        for extra in cfg.data.extra:
+            more = load_rows(cfg, "train", extra)
+            feats += cached_features(target, more, Path(extra), "train", layers)
+        val_feats = cached_features(target, val_rows, Path(cfg.data.prepared), "val", layers)
     feat_s = time.perf_counter() - t_feat
     prompts = val_prompts(cfg)
 
@@ -272,10 +324,13 @@ def train(cfg: TrainConfig, target: TargetModel | None = None) -> dict:
     else:
         torch.manual_seed(cfg.seed)
         vocab = draft_vocab(rows, target.vocab_size, cfg.model.draft_vocab)
-        hcfg = HeadConfig.for_target(target, draft_vocab_size=0 if vocab is None else vocab.shape[0])
-        head = EagleHead(hcfg).to(device=accelerator.device, dtype=dtype).attach(target)
+        extra_cfg = {} if layers is None else {"head_type": "eagle3", "feature_layer_ids": layers}
+        hcfg = HeadConfig.for_target(target, draft_vocab_size=0 if vocab is None else vocab.shape[0], **extra_cfg)
+        head = make_head(hcfg).to(device=accelerator.device, dtype=dtype).attach(target)
         if vocab is not None:
             head.set_draft_vocab(vocab.to(accelerator.device))
+        if layers is not None:
+            head.init_from_target_lm_head()
         if cfg.model.init == "identity":
             head.init_identity_fc()
         elif cfg.model.init == "target_last_layer":
@@ -333,11 +388,11 @@ def train(cfg: TrainConfig, target: TargetModel | None = None) -> dict:
                                torch.Generator().manual_seed(cfg.seed * 7919 + state["epoch"]))
         for b in range(state["batch_in_epoch"], len(batches)):
             t0 = time.perf_counter()
-            ids, mask, f = collate(rows, feats, batches[b])
+            ids, mask, f = collate(rows, feats, batches[b], target, layers)
             for g in opt.param_groups:
                 g["lr"] = lr_at()
             gen.manual_seed(cfg.seed * 1_000_003 + state["step"])  # noise depends on the step only: exact resume
-            loss, m = eagle1_loss(raw, ids.to(accelerator.device), mask.to(accelerator.device),
+            loss, m = head_loss(raw, ids.to(accelerator.device), mask.to(accelerator.device),
                                   f.to(accelerator.device, dtype), cfg, gen)
             if not math.isfinite(m["loss"]):
                 bar.close()
