@@ -53,12 +53,64 @@ def load_choices(spec) -> list[list[int]]:
     return choices
 
 
+@dataclass
+class Level:
+    """One depth of a fixed tree, with every index the drafting loop needs precomputed."""
+
+    nodes: torch.Tensor        # the nodes at this depth
+    rows: torch.Tensor         # each node's parent, as a row of the previous level's expanded nodes (the frontier)
+    rank: torch.Tensor         # greedy: which best token of its parent each node takes
+    draw: torch.Tensor         # sampling: which draw without replacement (rank order among its siblings)
+    need_rank: int
+    need_draw: int
+    expand: torch.Tensor       # nodes at this depth with children of their own: the next frontier
+    expand_parent_rows: torch.Tensor  # their parents' rows in the frontier (whose hidden states they read)
+    anc: torch.Tensor          # [len(expand), slots] drafted ancestors' head-cache slots (past the committed pairs)
+
+
+@dataclass
+class FixedPlan:
+    parents: torch.Tensor
+    root: torch.Tensor
+    levels: list[Level]
+
+    @classmethod
+    def build(cls, parents: torch.Tensor, ranks: torch.Tensor) -> "FixedPlan":
+        """Precompute the per-level indices of a chain or static tree. Expanded nodes take head-cache slots in
+        expansion order, so every level's attention mask is known in advance."""
+        depth = tree.depths(parents)
+        has_children = torch.zeros(parents.shape[0], dtype=torch.bool)
+        has_children[parents[1:]] = True
+        slot = torch.full((parents.shape[0],), -1, dtype=torch.long)
+        anc = torch.zeros(parents.shape[0], int(has_children.sum()), dtype=torch.bool)
+        levels, frontier, used = [], torch.tensor([0]), 0
+        for d in range(1, int(depth.max()) + 1):
+            nodes = (depth == d).nonzero().flatten()
+            par = parents[nodes]
+            rows = (par[:, None] == frontier[None]).int().argmax(-1)
+            draw = torch.empty_like(nodes)
+            for f in par.unique():  # rank order among siblings -> draw position
+                sib = par == f
+                draw[sib] = ranks[nodes[sib]].argsort().argsort()
+            expand = nodes[has_children[nodes]]
+            p_exp = parents[expand]
+            anc[expand] = anc[p_exp]
+            with_slot = slot[p_exp] >= 0
+            anc[expand[with_slot], slot[p_exp[with_slot]]] = True
+            slot[expand] = torch.arange(used, used + expand.shape[0])
+            used += expand.shape[0]
+            levels.append(Level(nodes, rows, ranks[nodes], draw, int(ranks[nodes].max()) + 1, int(draw.max()) + 1,
+                                expand, rows[has_children[nodes]], anc[expand].clone()))
+            frontier = expand
+        return cls(parents, torch.tensor([0]), levels)
+
+
 class EagleProposer:
     """Drafts with an EAGLE head and its own KV cache (one entry per committed (feature, next token) pair)."""
 
     def __init__(self, head: EagleHead):
         self.head, self.cache = head, HeadCache()
-        self._static: tuple | None = None  # (choices key, parents, ranks) of the last static tree
+        self._plan: tuple | None = None  # (key, FixedPlan) of the last chain or static tree
 
     def reset(self) -> None:
         self.cache = HeadCache()
@@ -75,23 +127,19 @@ class EagleProposer:
         sampling = cfg.temperature > 0
         if cfg.mode == "dynamic":
             return self._dynamic(h_root, tokens[0, -1], cfg)
-        if cfg.mode == "chain":
-            parents, ranks = tree.chain(cfg.num_speculative_tokens), torch.zeros(cfg.num_speculative_tokens + 1,
-                                                                                  dtype=torch.long)
-        elif cfg.mode == "static":
-            parents, ranks = self._static_tree(cfg.tree)
-        else:
+        if cfg.mode not in ("chain", "static"):
             raise ValueError(f"mode {cfg.mode!r}: expected chain, static or dynamic")
-        return self._fixed(h_root, tokens[0, -1], parents, ranks, cfg, generator if sampling else None)
+        key = ("chain", cfg.num_speculative_tokens) if cfg.mode == "chain" else ("static", str(cfg.tree))
+        if self._plan is None or self._plan[0] != key:
+            if cfg.mode == "chain":
+                k = cfg.num_speculative_tokens
+                parents, ranks = tree.chain(k), torch.zeros(k + 1, dtype=torch.long)
+            else:
+                parents, ranks = tree.from_choices(load_choices(cfg.tree))
+            self._plan = (key, FixedPlan.build(parents, ranks))
+        return self._fixed(h_root, tokens[0, -1], self._plan[1], cfg, generator if sampling else None)
 
     # -- helpers -------------------------------------------------------------------------------------------
-    def _static_tree(self, spec) -> tuple[torch.Tensor, torch.Tensor]:
-        key = json.dumps(spec) if isinstance(spec, (list, tuple)) else str(spec)
-        if self._static is None or self._static[0] != key:
-            parents, ranks = tree.from_choices(load_choices(spec))
-            self._static = (key, parents, ranks)
-        return self._static[1], self._static[2]
-
     def _logq(self, h: torch.Tensor, cfg) -> torch.Tensor:
         """log q over the draft vocabulary for each row of h, shaped like the sampling distribution p."""
         logits = self.head.logits(h)
@@ -112,49 +160,26 @@ class EagleProposer:
         pos = torch.full((1, n), committed - 1 + depth, device=token.device)
         return self.head(h_parent[None], token[None], pos, cache=self.cache, mask=mask)[0]
 
-    def _fixed(self, h_root, root, parents, ranks, cfg, generator) -> Draft:
-        """Chain or static tree: level by level, each node's token is its parent's rank-th choice."""
-        head, n_nodes, committed = self.head, parents.shape[0], self.cache.length
-        depth = tree.depths(parents)
-        toks = torch.empty(n_nodes, dtype=torch.long, device=root.device)
+    def _fixed(self, h_root, root, plan: "FixedPlan", cfg, generator) -> Draft:
+        """Chain or static tree: level by level, each node's token is its parent's rank-th choice (greedy) or its
+        rank-th draw without replacement (sampling); one head pass per level over the nodes that have children."""
+        head, committed = self.head, self.cache.length
+        toks = torch.empty(plan.parents.shape[0], dtype=torch.long, device=root.device)
         toks[0] = root
-        h = torch.empty(n_nodes, h_root.shape[-1], dtype=h_root.dtype, device=h_root.device)
-        h[0] = h_root[0]
-        slot = torch.full((n_nodes,), -1, dtype=torch.long)  # head-cache slot of each expanded node
-        anc = torch.zeros(n_nodes, n_nodes, dtype=torch.bool)  # drafted ancestor slots (incl. the parent)
-        q_rows = torch.zeros(n_nodes, head.config.vocab_size) if generator is not None else None
-        frontier = torch.tensor([0])
-        for d in range(1, int(depth.max()) + 1):
-            logq = self._logq(h[frontier], cfg)  # [f, Vd]
-            level = (depth == d).nonzero().flatten()
-            row = {int(f): i for i, f in enumerate(frontier)}
-            par = parents[level]
-            rows = torch.tensor([row[int(x)] for x in par])
+        q_rows = torch.zeros(plan.parents.shape[0], head.config.vocab_size) if generator is not None else None
+        h_front, front = h_root, plan.root
+        for d, lv in enumerate(plan.levels, start=1):
+            logq = self._logq(h_front, cfg)  # [frontier, Vd]
             if generator is None:
-                need = int(ranks[level].max()) + 1
-                picks = logq.topk(need, dim=-1).indices  # [f, need]
-                chosen = picks[rows, ranks[level]]
+                chosen = logq.topk(lv.need_rank, dim=-1).indices[lv.rows, lv.rank]
             else:
-                order = torch.empty_like(ranks)  # draw position among siblings, by rank
-                for f in frontier.tolist():
-                    sib = level[par == f]
-                    order[sib] = ranks[sib].argsort().argsort()
-                need = int(order[level].max()) + 1
-                picks = gumbel_top(logq, need, generator)
-                chosen = picks[rows, order[level]]
-                q_rows[frontier] = self._to_target_probs(logq.exp())
-            toks[level] = head.to_target_ids(chosen)
-            expand = level[torch.isin(level, parents[1:])]  # nodes that have children of their own
-            if expand.numel():
-                p_exp = parents[expand]
-                anc[expand] = anc[p_exp]
-                has_slot = slot[p_exp] >= 0
-                anc[expand[has_slot], slot[p_exp[has_slot]]] = True
-                h[expand] = self._extend(h[p_exp], toks[expand], d, anc[expand], committed)
-                slot[expand] = torch.arange(self.cache.length - committed - expand.numel(),
-                                            self.cache.length - committed)
-            frontier = expand
-        return Draft(toks, parents, q_rows)
+                chosen = gumbel_top(logq, lv.need_draw, generator)[lv.rows, lv.draw]
+                q_rows[front] = self._to_target_probs(logq.exp())
+            toks[lv.nodes] = head.to_target_ids(chosen)
+            if lv.expand.numel():
+                h_front = self._extend(h_front[lv.expand_parent_rows], toks[lv.expand], d, lv.anc, committed)
+            front = lv.expand
+        return Draft(toks, plan.parents, q_rows)
 
     def _dynamic(self, h_root, root, cfg) -> Draft:
         """EAGLE-2: expand the top_k best frontier nodes for `depth` levels, keep the total_tokens best nodes."""
