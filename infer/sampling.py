@@ -61,24 +61,32 @@ def accept_sampled(tokens: torch.Tensor, parents: torch.Tensor, p: torch.Tensor,
         children.setdefault(par, []).append(n)
     node = 0
     while True:
-        p_left = p[node].clone()
-        q_left = None if q is None else q[node].clone()
-        for c in children.get(node, []):
-            x = int(tokens[c])
-            if q_left is None:  # a point mass on x: accept with probability p(x)
-                q_x, residual = 1.0, None
-            else:
-                q_i = q_left / q_left.sum()
-                q_x, residual = float(q_i[x]), q_i
-            u = float(torch.rand((), generator=generator))
-            if u * q_x < float(p_left[x]):
-                node = c
-                break
-            if residual is None:
-                p_left[x] = 0.0
-            else:
-                p_left = (p_left - residual).clamp_(min=0.0)
-                q_left[x] = 0.0  # the next sibling was drawn without x
-            p_left /= p_left.sum()
+        nxt = _try_children(node, children.get(node, []), tokens, p[node].clone(),
+                            None if q is None else q[node].clone(), generator)
+        if isinstance(nxt, tuple):
+            return nxt
+        node = nxt
+
+
+def _try_children(node, kids, tokens, p_left, q_left, generator):
+    """One node's recursive rejection: the accepted child's index, or (node, token drawn from what is left of p)."""
+    for c in kids:
+        x = int(tokens[c])
+        if q_left is None:  # a point mass on x: accept with probability p(x)
+            q_x, residual = 1.0, None
         else:
-            return node, sample(p_left, generator)
+            mass = q_left.sum()
+            q_x = float(q_left[x] / mass) if mass > 0 else 0.0
+            if q_x == 0.0:  # more children asked for than q has tokens: the rest were never drawn from q
+                break
+            residual = q_left / mass
+        u = float(torch.rand((), generator=generator))
+        if u * q_x < float(p_left[x]):
+            return c
+        if residual is None:
+            p_left[x] = 0.0
+        else:
+            p_left = (p_left - residual).clamp_(min=0.0)
+            q_left[x] = 0.0  # the next sibling was drawn without x
+        p_left /= p_left.sum()
+    return node, sample(p_left, generator)

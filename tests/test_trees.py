@@ -232,3 +232,16 @@ def test_stop_string_ends_the_output_even_inside_an_accepted_round(target, basel
     for new in s:
         streamed += new
     assert streamed == out.token_ids
+
+
+def test_children_beyond_the_support_of_q_are_never_accepted():
+    """A static tree may ask for more children than q has tokens; those were not drawn from q and are skipped."""
+    p = torch.tensor([[0.5, 0.3, 0.2], [1.0, 0, 0], [0, 1.0, 0]])
+    q = torch.tensor([[1.0, 0.0, 0.0], [0, 0, 0], [0, 0, 0]])
+    g = torch.Generator().manual_seed(0)
+    hits = torch.zeros(3)
+    for _ in range(4000):
+        best, nxt = accept_sampled(torch.tensor([9, 0, 1]), torch.tensor([-1, 0, 0]), p, q, g)
+        assert best != 2
+        hits[0 if best == 1 else nxt] += 1
+    torch.testing.assert_close(hits / hits.sum(), p[0], atol=0.03, rtol=0)
