@@ -74,6 +74,25 @@ class GenerateOutput:
         return len(self.token_ids) / self.total_s if self.total_s else 0.0
 
 
+def check_config(c: DecodeConfig) -> None:
+    """One-line errors for decoding settings that cannot work."""
+    problems = []
+    if c.mode not in ("chain", "static", "dynamic"):
+        problems.append(f"mode {c.mode!r} is not chain, static or dynamic")
+    if c.mode == "chain" and c.num_speculative_tokens < 1:
+        problems.append(f"num_speculative_tokens {c.num_speculative_tokens} must be at least 1")
+    if c.mode == "static" and not c.tree:
+        problems.append("mode static needs a tree (a JSON list of choice paths, or a file holding one)")
+    if c.mode == "dynamic" and (c.top_k < 1 or c.depth < 1 or c.total_tokens < 2):
+        problems.append(f"dynamic tree needs top_k >= 1, depth >= 1, total_tokens >= 2 "
+                        f"(got {c.top_k}, {c.depth}, {c.total_tokens})")
+    if c.temperature < 0 or not 0 < c.top_p <= 1 or c.sampling_top_k < 0:
+        problems.append(f"sampling needs temperature >= 0, 0 < top_p <= 1, sampling_top_k >= 0 "
+                        f"(got {c.temperature}, {c.top_p}, {c.sampling_top_k})")
+    if problems:
+        raise ValueError("decoding config: " + "; ".join(problems))
+
+
 def verify_mask(prefix_len: int, node_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """[1, 1, N, prefix + N] additive mask: every node sees the whole prefix and its own ancestors."""
     n = node_mask.shape[0]
@@ -154,6 +173,7 @@ class SpeculativeDecoder:
         Nothing after a stop (EOS, a stop string, max_new_tokens, the context length) is yielded, even when
         it was accepted in the same round."""
         cfg = dataclasses.replace(self.config, **config)
+        check_config(cfg)
         if cfg.temperature > 0 and generator is None and cfg.seed is not None:
             generator = torch.Generator().manual_seed(cfg.seed)
         if max_new_tokens is not None:

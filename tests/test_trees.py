@@ -245,3 +245,15 @@ def test_children_beyond_the_support_of_q_are_never_accepted():
         assert best != 2
         hits[0 if best == 1 else nxt] += 1
     torch.testing.assert_close(hits / hits.sum(), p[0], atol=0.03, rtol=0)
+
+
+@pytest.mark.parametrize("bad,msg", [
+    (dict(mode="beam"), "mode 'beam'"), (dict(mode="static"), "needs a tree"),
+    (dict(mode="dynamic", total_tokens=1), "total_tokens >= 2"), (dict(top_p=0.0), "0 < top_p"),
+    (dict(mode="static", tree="[[1, 2"), "not a JSON list"),
+])
+def test_bad_decoding_settings_are_one_line_errors(target, bad, msg):
+    dec = SpeculativeDecoder(target, tiny_head(target))
+    with pytest.raises(ValueError, match=msg) as e:
+        dec.generate(PROMPT, 4, **bad)
+    assert "\n" not in str(e.value)
