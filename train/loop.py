@@ -1,11 +1,15 @@
-"""Train an EAGLE-1 head on rows prepared by `eagle prep`; resumable, budgeted by steps, minutes or epochs.
+"""Train an EAGLE-1/2 or EAGLE-3 head on rows prepared by `eagle prep`; resumable, budgeted by steps, minutes or
+epochs.
 
     eagle train --config configs/smollm2-135m-eagle1.yaml budget.minutes=10
+    eagle train --config configs/smollm2-135m-eagle3.yaml data.online=true
 
-Loss (EAGLE-1): smooth-L1 between the predicted and the target's next feature, plus `ce_weight` x the
-cross-entropy of the draft distribution q against the target's distribution p at that position. Input features
-get uniform noise. Rerunning the same command resumes from `run_dir/checkpoint` (written whole or not at all);
-the head with the best validation tau is exported to `out`.
+Loss (EAGLE-1/2): smooth-L1 between the predicted and the target's next feature, plus `ce_weight` x the
+cross-entropy of the draft distribution q against the target's distribution p at that position; input features
+get uniform noise. Loss (EAGLE-3): the cross-entropy alone, over the draft vocabulary, with the head unrolled on
+its own outputs for `loss.steps` steps (the training-time test). Target features are computed once and cached
+beside the prepared rows, or per batch with `data.online=true`. Rerunning the same command resumes from
+`run_dir/checkpoint` (written whole or not at all); the head with the best validation tau is exported to `out`.
 """
 
 from __future__ import annotations
