@@ -137,7 +137,7 @@ class OracleTreeProposer:
 def test_oracle_tree_accepted_to_the_exact_depth(target, baseline, good):
     dec = SpeculativeDecoder(target, None)
     dec.proposer = OracleTreeProposer(PROMPT + baseline.token_ids, good, target.vocab_size)
-    out = dec.generate(PROMPT, 40, mode="static")
+    out = dec.generate(PROMPT, 40, mode="static", tree="[[0]]")  # the oracle draws its own tree
     assert out.token_ids == baseline.token_ids[:40]
     assert out.accept_lengths[:-1] == [good] * (len(out.accept_lengths) - 1)
 
