@@ -301,7 +301,9 @@ def train(cfg: TrainConfig, target: TargetModel | None = None) -> dict:
     accelerator = Accelerator(cpu=not torch.cuda.is_available())
     dtype = getattr(torch, cfg.model.dtype)
     target = target or load_target(cfg.model.target, device=accelerator.device, dtype=dtype)
-    rows, val_rows = load_rows(cfg, "train", cfg.data.prepared), load_rows(cfg, "val", cfg.data.prepared)
+    sources = [cfg.data.prepared, *cfg.data.extra]  # every prepared directory whose train rows are used
+    parts = [load_rows(cfg, "train", src) for src in sources]
+    rows, val_rows = [r for part in parts for r in part], load_rows(cfg, "val", cfg.data.prepared)
     layers = None
     if cfg.model.head_type == "eagle3":
         layers = cfg.model.feature_layers or eagle3_layers(target.num_layers)
@@ -309,16 +311,11 @@ def train(cfg: TrainConfig, target: TargetModel | None = None) -> dict:
         if bad:
             raise TrainError(f"model.feature_layers {bad}: the target's hidden_states run 0..{target.num_layers}")
     t_feat = time.perf_counter()
-    for extra in cfg.data.extra:
-        rows += load_rows(cfg, "train", extra)
     if cfg.data.online:  # features come from the target batch by batch
         feats = val_feats = None
     else:
-        n_main = len(load_rows(cfg, "train", cfg.data.prepared))
-        feats = cached_features(target, rows[:n_main], Path(cfg.data.prepared), "train", layers)
-        for extra in cfg.data.extra:
-            more = load_rows(cfg, "train", extra)
-            feats += cached_features(target, more, Path(extra), "train", layers)
+        feats = [f for src, part in zip(sources, parts)
+                 for f in cached_features(target, part, Path(src), "train", layers)]
         val_feats = cached_features(target, val_rows, Path(cfg.data.prepared), "val", layers)
     feat_s = time.perf_counter() - t_feat
     prompts = val_prompts(cfg)
