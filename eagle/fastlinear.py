@@ -167,9 +167,10 @@ def load_or_calibrate(model: nn.Module, run: Callable[[int], float] | None = Non
 
 def _fast_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     w = self.weight
-    if x.device.type != "cpu" or (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)):
+    rows = x.numel() // x.shape[-1]
+    if rows > MAX_ROWS or x.device.type != "cpu" or (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)):
         return F.linear(x, w, self.bias)
-    return linear(x, w, self.bias, self._fast_plan.layout(w, x.numel() // x.shape[-1]))
+    return linear(x, w, self.bias, self._fast_by_rows[rows])
 
 
 def enable_fast_linear(model: nn.Module, plan: Plan | None = None, run: Callable[[int], float] | None = None) -> Plan:
@@ -178,7 +179,8 @@ def enable_fast_linear(model: nn.Module, plan: Plan | None = None, run: Callable
     Idempotent: the patch lives on the modules, so whoever calls `disable_fast_linear` restores them."""
     plan = plan or load_or_calibrate(model, run)
     for mod in _linears(model):
-        mod._fast_plan = plan
+        # the layout for every row count, looked up once here instead of on every call
+        mod._fast_by_rows = [plan.layout(mod.weight, max(rows, 1)) for rows in range(MAX_ROWS + 1)]
         mod.forward = types.MethodType(_fast_forward, mod)
     return plan
 
@@ -188,8 +190,8 @@ def disable_fast_linear(model: nn.Module) -> None:
     for mod in _linears(model):
         if "forward" in mod.__dict__:
             del mod.forward
-            del mod._fast_plan
+            del mod._fast_by_rows
 
 
 def fast_linear_enabled(model: nn.Module) -> bool:
-    return any("_fast_plan" in mod.__dict__ for mod in _linears(model))
+    return any("_fast_by_rows" in mod.__dict__ for mod in _linears(model))

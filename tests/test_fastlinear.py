@@ -51,7 +51,7 @@ def test_enable_then_remove_restores_the_stock_forward():
     model(xg).sum().backward()
     assert xg.grad is not None
     disable_fast_linear(model)
-    assert not any("forward" in m.__dict__ or hasattr(m, "_fast_plan") for m in model)
+    assert not any("forward" in m.__dict__ or hasattr(m, "_fast_by_rows") for m in model)
 
 
 def test_speculative_greedy_equals_plain_greedy_with_fast_linear_on_and_off():
