@@ -262,7 +262,7 @@ class SpeculativeDecoder:
             # 2. draft a tree (a chain is one) after catching the head up on the newly committed pairs
             t1 = time.perf_counter()
             draft: Draft = q.propose(pair_feats, pair_tokens, cfg, generator)
-            node_mask, depth = tree.ancestor_mask(draft.parents), tree.depths(draft.parents)
+            node_mask, depth = draft.node_mask, draft.depth
             tokens = draft.tokens.to(dev)[None]
             # 3. verify every node in one target pass; node i sits at position L + depth(i)
             t2 = time.perf_counter()

@@ -33,6 +33,14 @@ class Draft:
     tokens: torch.Tensor             # [N] target token ids; node 0 is the root
     parents: torch.Tensor            # [N] parent indices, parents[0] == -1, siblings in drawing order
     q: torch.Tensor | None = None    # [N, V] the distribution node n's children were drawn from (None: point mass)
+    node_mask: torch.Tensor | None = None  # tree.ancestor_mask(parents), derived unless a fixed tree supplies it
+    depth: torch.Tensor | None = None      # tree.depths(parents), likewise
+
+    def __post_init__(self):
+        if self.node_mask is None:
+            self.node_mask = tree.ancestor_mask(self.parents)
+        if self.depth is None:
+            self.depth = self.node_mask.sum(-1) - 1
 
     @classmethod
     def chain(cls, root: torch.Tensor, drafts: torch.Tensor) -> "Draft":
@@ -73,6 +81,8 @@ class FixedPlan:
     parents: torch.Tensor
     root: torch.Tensor
     levels: list[Level]
+    node_mask: torch.Tensor  # of the whole tree, the same every round
+    depth: torch.Tensor
 
     @classmethod
     def build(cls, parents: torch.Tensor, ranks: torch.Tensor) -> "FixedPlan":
@@ -102,7 +112,7 @@ class FixedPlan:
             levels.append(Level(nodes, rows, ranks[nodes], draw, int(ranks[nodes].max()) + 1, int(draw.max()) + 1,
                                 expand, rows[has_children[nodes]], anc[expand].clone()))
             frontier = expand
-        return cls(parents, torch.tensor([0]), levels)
+        return cls(parents, torch.tensor([0]), levels, tree.ancestor_mask(parents), depth)
 
 
 class EagleProposer:
@@ -179,7 +189,7 @@ class EagleProposer:
             if lv.expand.numel():
                 h_front = self._extend(h_front[lv.expand_parent_rows], toks[lv.expand], d, lv.anc, committed)
             front = lv.expand
-        return Draft(toks, plan.parents, q_rows)
+        return Draft(toks, plan.parents, q_rows, plan.node_mask, plan.depth)
 
     def _dynamic(self, h_root, root, cfg) -> Draft:
         """EAGLE-2: expand the top_k best frontier nodes for `depth` levels, keep the total_tokens best nodes."""
