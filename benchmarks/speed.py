@@ -24,6 +24,7 @@ import time
 
 import torch
 
+from chain import hf_generate  # benchmarks/chain.py: transformers' generate with the stock layers
 from eagle import load_target
 from eagle.fastlinear import disable_fast_linear, enable_fast_linear
 from infer import SpeculativeDecoder
@@ -63,16 +64,6 @@ def pass_ms(target, context: int, rows_list: list[int], repeats: int, fast: bool
             cache.crop(context)
         out[rows] = statistics.median(times)
     return out
-
-
-def hf_generate(target, ids: list[int], n: int, lookup: int = 0) -> tuple[list[int], float]:
-    disable_fast_linear(target.model)
-    x = torch.tensor([ids])
-    kw = {"prompt_lookup_num_tokens": lookup} if lookup else {}
-    t0 = time.perf_counter()
-    out = target.model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False,
-                                pad_token_id=target.tokenizer.pad_token_id, eos_token_id=target.eos_ids, **kw)
-    return out[0, len(ids):].tolist(), time.perf_counter() - t0
 
 
 def main() -> None:
