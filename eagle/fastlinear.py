@@ -100,39 +100,48 @@ def calibrate(model: nn.Module, repeats: int = 5, run: Callable[[int], float] | 
     for mod in _linears(model):
         groups[_shape_key(mod.weight)].append(mod)
     plan = Plan(layouts={k: {} for k in groups}, timings={k: {} for k in groups})
-    gen = torch.Generator(device="cpu").manual_seed(0)  # leaves the global RNG alone
     with torch.inference_mode():
         for rows in BUCKETS:
             if run is not None:
-                samples = {layout: [] for layout in LAYOUTS}
-                for r in range(repeats + 1):
-                    for layout in LAYOUTS:
-                        enable_fast_linear(model, Plan(layouts={k: {b: layout for b in BUCKETS} for k in groups}))
-                        seconds = run(rows)
-                        if r:  # the first round warms up
-                            samples[layout].append(seconds * 1e3)
-                disable_fast_linear(model)
-                times = {layout: round(statistics.median(v), 3) for layout, v in samples.items()}
-                for key in groups:
-                    plan.timings[key][rows] = times
-                    plan.layouts[key][rows] = min(times, key=times.get)
-                continue
-            for key, mods in groups.items():
-                w0 = mods[0].weight
-                x = torch.randn(rows, w0.shape[1], generator=gen, dtype=w0.dtype).to(w0.device)
-                times = {}
-                for layout in LAYOUTS:
-                    samples = []
-                    for r in range(repeats + 1):
-                        t0 = time.perf_counter()
-                        for mod in mods:  # a sweep over distinct weights reads them from memory, as a step does
-                            linear(x, mod.weight, mod.bias, layout)
-                        if r:
-                            samples.append((time.perf_counter() - t0) * 1e3)
-                    times[layout] = round(statistics.median(samples), 4)
+                times = _time_passes(model, groups, rows, repeats, run)
+                per_shape = {key: times for key in groups}
+            else:
+                per_shape = {key: _time_sweep(mods, rows, repeats) for key, mods in groups.items()}
+            for key, times in per_shape.items():
                 plan.timings[key][rows] = times
                 plan.layouts[key][rows] = min(times, key=times.get)
     return plan
+
+
+def _time_passes(model, groups, rows: int, repeats: int, run) -> dict[str, float]:
+    """Median ms of whole passes with every weight in one layout, layouts interleaved; the first round warms up."""
+    samples = {layout: [] for layout in LAYOUTS}
+    for r in range(repeats + 1):
+        for layout in LAYOUTS:
+            enable_fast_linear(model, Plan(layouts={k: {b: layout for b in BUCKETS} for k in groups}))
+            seconds = run(rows)
+            if r:
+                samples[layout].append(seconds * 1e3)
+    disable_fast_linear(model)
+    return {layout: round(statistics.median(v), 3) for layout, v in samples.items()}
+
+
+def _time_sweep(mods: list[nn.Linear], rows: int, repeats: int) -> dict[str, float]:
+    """Median ms of one sweep over distinct weights of a shape (read from memory, as a step does) per layout."""
+    w0 = mods[0].weight
+    gen = torch.Generator(device="cpu").manual_seed(rows)  # leaves the global RNG alone
+    x = torch.randn(rows, w0.shape[1], generator=gen, dtype=w0.dtype).to(w0.device)
+    times = {}
+    for layout in LAYOUTS:
+        samples = []
+        for r in range(repeats + 1):
+            t0 = time.perf_counter()
+            for mod in mods:
+                linear(x, mod.weight, mod.bias, layout)
+            if r:
+                samples.append((time.perf_counter() - t0) * 1e3)
+        times[layout] = round(statistics.median(samples), 4)
+    return times
 
 
 def _plan_path(model: nn.Module, how: str) -> str:
