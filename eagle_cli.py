@@ -88,10 +88,10 @@ def cmd_generate(args) -> None:
     import torch
 
     from infer import DecodeConfig, SpeculativeDecoder
+    from infer.decoder import check_config
 
     cfg = _config_from_args(DecodeConfig, args)
-    if cfg.mode == "static" and not cfg.tree:
-        raise ValueError("--mode static needs --tree (a JSON list of choice paths, or a file holding one)")
+    check_config(cfg)  # before the target loads
     dec = SpeculativeDecoder.from_pretrained(args.target, args.draft, **dataclasses.asdict(cfg))
     tok = dec.target.tokenizer
     g = torch.Generator().manual_seed(cfg.seed) if cfg.temperature > 0 and cfg.seed is not None else None

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from eagle import load_target
-from infer.decoder import DecodeConfig, GenerateOutput, SpeculativeDecoder
+from infer.decoder import DecodeConfig, GenerateOutput, SpeculativeDecoder, check_config
 from infer.proposer import load_choices
 
 
@@ -138,8 +138,7 @@ def draft_depth(d: DecodeConfig) -> int:
 
 def evaluate(cfg: EvalConfig, decoder: SpeculativeDecoder | None = None) -> dict:
     d = cfg.decode
-    if d.mode == "static" and not d.tree:
-        raise EvalError("--mode static needs --tree (a JSON list of choice paths, or a file holding one)")
+    check_config(d)  # before the target loads
     k = draft_depth(d)
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
