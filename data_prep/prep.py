@@ -6,10 +6,13 @@
 
 Steps: read and normalize conversations (sources.py), optionally rewrite the replies with the target
 (regenerate.py), render each with the target's chat template and mask the assistant tokens (render.py), split
-off a validation set, and write into `out/`:
+off a validation set, and write into `out/`. A row regenerated in one turn is not re-rendered: it is the prompt
+ids plus the reply ids exactly as the target read and wrote them, and the features generation computed are
+kept with it (`save_features`).
 
     train.jsonl, val.jsonl        one {"input_ids": [...], "loss_mask": [...]} per line
     val_conversations.jsonl       the messages of each validation row ({"messages": [...]}), for evaluation prompts
+    features-{split}-*.safetensors  target features of the rows, when regeneration computed them (eagle.features)
     summary.json                  counts: rows read, kept, dropped by reason, tokens, masked fraction
     prep_config.yaml              the resolved PrepConfig
 
@@ -34,6 +37,7 @@ from data_prep.regenerate import regenerate_with_stats
 from data_prep.render import Example, SkipRow, check_chat_template, render_example
 from data_prep.sources import DataError, first_turns, load_conversations
 from eagle.configio import save_config
+from eagle.features import features_path, save_features
 
 
 @dataclass
@@ -50,6 +54,9 @@ class PrepConfig:
     seed: int = 0                  # for the train / validation split
     max_turns: int | None = None   # keep the first N assistant turns of each conversation; None keeps all
     overwrite: bool = False        # redo the work even when `out` already holds rows made with this same config
+    # With regenerate and max_turns 1: keep the target features generation computed anyway (features-*.safetensors,
+    # about 2.3 kB per token for SmolLM2), so training skips its own pass over the rows.
+    save_features: bool = True
 
 
 @dataclass
@@ -140,27 +147,36 @@ def prepare(cfg: PrepConfig, target=None) -> PrepSummary:
     dropped, trimmed = Counter(src.dropped), Counter(src.trimmed)
     replies = 0
     ended = [None] * len(convs)
+    single = [None] * len(convs)  # single-turn regeneration: (prompt ids, Reply) per row
     if cfg.regenerate:
         # A prompt longer than this cannot give a row that surely fits in max_length.
         max_prompt = cfg.max_length - cfg.max_new_tokens
         regen = regenerate_with_stats(target, convs, cfg.max_new_tokens, cfg.regen_batch_size, max_prompt,
-                                      cfg.max_turns)
+                                      cfg.max_turns, keep_features=cfg.save_features and cfg.max_turns == 1)
         replies, convs, ended = regen.replies, regen.conversations, regen.ended
+        if cfg.max_turns == 1:
+            single = regen.last_turn
     else:
         convs = [first_turns(c, cfg.max_turns) for c in convs]
 
-    examples, kept_convs = [], []
-    for msgs, why in zip(tqdm(convs, desc="render", unit="row"), ended):
+    examples, kept_convs, feats = [], [], []
+    for msgs, why, turn in zip(tqdm(convs, desc="render", unit="row"), ended, single):
         if not any(m["role"] == "assistant" for m in msgs):
             dropped[why or "no_assistant"] += 1  # regeneration ended it before its first reply
             continue
         if why is not None:
             trimmed[why] += 1  # regeneration ended it after some replies: the row keeps those
-        try:
-            examples.append(render_example(tok, msgs, cfg.max_length, end_ids=target.eos_ids))
-        except SkipRow as e:
-            dropped[e.reason] += 1
-            continue
+        if turn is not None:  # the row is exactly what the target read and wrote: prompt ids + reply ids
+            prompt, reply = turn
+            examples.append(Example(input_ids=prompt + reply.new_ids,
+                                    loss_mask=[0] * len(prompt) + [1] * len(reply.new_ids)))
+            feats.append(reply.features)
+        else:
+            try:
+                examples.append(render_example(tok, msgs, cfg.max_length, end_ids=target.eos_ids))
+            except SkipRow as e:
+                dropped[e.reason] += 1
+                continue
         kept_convs.append(msgs)
     if not examples:
         hint = "; prompt-only rows (turns) need regenerate=true" if dropped["no_assistant"] else ""
@@ -173,6 +189,9 @@ def prepare(cfg: PrepConfig, target=None) -> PrepSummary:
     _write_jsonl(out / "train.jsonl", [dataclasses.asdict(examples[i]) for i in train_idx])
     _write_jsonl(out / "val.jsonl", [dataclasses.asdict(examples[i]) for i in val_idx])
     _write_jsonl(out / "val_conversations.jsonl", [{"messages": kept_convs[i]} for i in val_idx])
+    if len(feats) == len(examples) and all(f is not None for f in feats):
+        for split, idx in (("train", train_idx), ("val", val_idx)):
+            save_features(features_path(out, split, target), [feats[i] for i in idx])
 
     tokens = sum(len(ex.input_ids) for ex in examples)
     masked = sum(sum(ex.loss_mask) for ex in examples)

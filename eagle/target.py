@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata
 import inspect
+import math
 import os
 import shutil
 import time
@@ -24,6 +25,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from transformers.cache_utils import DynamicCache, DynamicLayer
 
 
 class TargetError(ValueError):
@@ -216,6 +218,54 @@ class TargetModel:
         if self.softcap:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits
+
+
+class PreallocatedLayer(DynamicLayer):
+    """A DynamicLayer whose keys / values are views of a preallocated buffer; `update` writes in place."""
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        super().lazy_initialization(key_states, value_states)
+        self._k = self._v = None
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        n = self.keys.shape[-2] if self.keys.dim() == 4 else 0
+        end = n + key_states.shape[-2]
+        if self._k is None or self._k.shape[-2] < end or self._k.shape[:2] != key_states.shape[:2]:
+            cap = max(256, 1 << math.ceil(math.log2(end)))
+            k = key_states.new_empty(*key_states.shape[:2], cap, key_states.shape[-1])
+            v = value_states.new_empty(*value_states.shape[:2], cap, value_states.shape[-1])
+            if n:
+                k[..., :n, :], v[..., :n, :] = self.keys, self.values
+            self._k, self._v = k, v
+        self._k[..., n:end, :] = key_states
+        self._v[..., n:end, :] = value_states
+        self.keys, self.values = self._k[..., :end, :], self._v[..., :end, :]
+        return self.keys, self.values
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep the batch rows `indices`: one copy of the filled part into a buffer of the same capacity."""
+        if getattr(self, "_k", None) is None:
+            return super().batch_select_indices(indices)
+        n = self.keys.shape[-2]
+        k = self._k.new_empty(len(indices), *self._k.shape[1:])
+        v = self._v.new_empty(len(indices), *self._v.shape[1:])
+        k[..., :n, :] = self._k[indices, :, :n]
+        v[..., :n, :] = self._v[indices, :, :n]
+        self._k, self._v = k, v
+        self.keys, self.values = k[..., :n, :], v[..., :n, :]
+
+
+def preallocated_cache(preallocate: bool = True) -> DynamicCache:
+    """A transformers DynamicCache built without the model config, so every layer keeps all positions (no
+    sliding-window eviction); with `preallocate` its layers write into doubling buffers (PreallocatedLayer)
+    instead of concatenating the whole cache per layer per step. Selecting batch rows
+    (`batch_select_indices`) works as on a plain DynamicCache."""
+    cache = DynamicCache()
+    if preallocate:
+        cache.layer_class_to_replicate = PreallocatedLayer
+    return cache
 
 
 def load_target(name: str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,

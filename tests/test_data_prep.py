@@ -427,6 +427,53 @@ def test_prepare_with_regeneration(tiny_target, tmp_path):
         assert [m["role"] for m in c] == ["user", "assistant"]
 
 
+def test_greedy_replies_match_plain_greedy_and_keep_the_features(tiny_target):
+    """Each reply is the prompt's own greedy continuation whatever its batch; rows that end leave the batch; the
+    kept features equal one forward pass over prompt + reply (the never-fed last row is zeros)."""
+    import torch
+
+    from data_prep.regenerate import greedy_replies
+
+    tok = tiny_target.tokenizer
+    prompts = [tok(t, add_special_tokens=False)["input_ids"] for t in
+               ["Hello there", "What is the capital of France and of Spain?", "Hi", "Tell me a story about cats"]]
+    eos = {tok.eos_token_id}
+    got = greedy_replies(tiny_target, prompts, 7, 3, tok.pad_token_id, eos, keep_features=True)
+    for p, r in zip(prompts, got):
+        ids = list(p)
+        with torch.no_grad():
+            while len(ids) - len(p) < 7 and (len(ids) == len(p) or ids[-1] not in eos):
+                ids.append(int(tiny_target.model(torch.tensor([ids])).logits[0, -1].argmax()))
+            assert r.new_ids == ids[len(p):] and r.hit_eos == (ids[-1] in eos)
+            full = tiny_target.features(torch.tensor([ids]))[0]
+        assert r.features.shape == full.shape
+        torch.testing.assert_close(r.features[:-1], full[:-1].float(), rtol=1e-5, atol=1e-5)
+        assert not r.features[-1].any()
+
+
+def test_prepare_single_turn_rows_are_the_generated_ids_with_their_features(tiny_target, tmp_path):
+    """A one-turn regenerated row is prompt ids + reply ids (mask on the reply); its features land beside the rows
+    under the name training looks for, so training loads them instead of running the target again."""
+    import torch
+
+    from eagle.features import features_path, load_features
+    from train.loop import target_features
+
+    data = write_jsonl(tmp_path / "prompts.jsonl", [{"turns": [f"Question {i}?"]} for i in range(8)])
+    cfg = PrepConfig(target="tiny", data=str(data), out=str(tmp_path / "out"), regenerate=True,
+                     max_new_tokens=8, max_length=128, max_turns=1, val_fraction=0.25)
+    s = prepare(cfg, target=tiny_target)
+    for split in ("train", "val"):
+        rows = load_examples(tmp_path / f"out/{split}.jsonl")
+        assert rows and all(ex.loss_mask[-1] == 1 and ex.loss_mask[0] == 0 for ex in rows)
+        feats = load_features(features_path(tmp_path / "out", split, tiny_target), [len(ex.input_ids) for ex in rows])
+        assert feats is not None
+        again = target_features(tiny_target, [(torch.tensor(ex.input_ids), None) for ex in rows], "check")
+        for f, g in zip(feats, again):
+            torch.testing.assert_close(f[:-1], g[:-1].float(), rtol=1e-5, atol=1e-5)
+    assert s.kept == 8
+
+
 # ------------------------------------------------------------------------------------------------ real target
 
 

@@ -28,6 +28,7 @@ from tqdm import tqdm
 from data_prep.prep import load_examples
 from eagle import EagleHead, HeadConfig, TargetModel, load_target
 from eagle.checkpoint import load_head, save_head
+from eagle.features import features_path, load_features, save_features
 from eagle.configio import save_config
 from eagle.head import eagle3_layers, make_head
 from train.config import TrainConfig
@@ -88,24 +89,14 @@ def collate(rows, feats, idx: list[int], target: TargetModel | None = None, laye
 
 def cached_features(target: TargetModel, rows, prepared: Path, split: str,
                     layers: list[int] | None = None) -> list[torch.Tensor]:
-    """Target features of every row, kept next to the prepared rows so later runs on the same data skip the pass.
-
-    One safetensors file per split, keyed by the target's tokenizer fingerprint and hidden size; it is written
-    whole (temp file + rename) and trusted only if its row lengths match the rows.
-    """
-    from safetensors.torch import load_file, save_file
-
-    key = "" if not layers else "-layers" + "_".join(str(i) for i in layers)
-    path = prepared / f"features-{split}-{target.fingerprint}-{target.hidden_size}{key}.safetensors"
-    lengths = torch.tensor([r[0].shape[0] for r in rows])
-    if path.exists():
-        data = load_file(str(path))
-        if torch.equal(data["lengths"], lengths):
-            return list(torch.split(data["features"], lengths.tolist()))
-    feats = target_features(target, rows, f"target features ({split})", layers)
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    save_file({"features": torch.cat(feats), "lengths": lengths}, str(tmp))
-    os.replace(tmp, path)
+    """Target features of every row, kept next to the prepared rows (eagle.features) so later runs on the same
+    data skip the pass; prep leaves them there when regeneration computed them already."""
+    path = features_path(prepared, split, target, layers)
+    lengths = [r[0].shape[0] for r in rows]
+    feats = load_features(path, lengths)
+    if feats is None:
+        feats = target_features(target, rows, f"target features ({split})", layers)
+        save_features(path, feats)
     return feats
 
 
