@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 DEMO := runs/demo
-DEMO_ROWS ?= 320
+DEMO_ROWS ?= 480
 DEMO_MINUTES ?= 10
 
 .PHONY: setup demo test test-all clean-demo
@@ -25,7 +25,7 @@ setup: $(STAMP)
 # The whole path on the embedded default: regenerate + prep, train, evaluate on held-out ShareGPT prompts.
 demo: setup
 	$(BIN)/eagle prep --target smollm2-135m --data sharegpt --out $(DEMO)/data --max-rows $(DEMO_ROWS) \
-		--regenerate --max-turns 1 --max-new-tokens 192 --max-length 448 --regen-batch-size 64
+		--regenerate --max-turns 1 --max-new-tokens 192 --max-length 448 --regen-batch-size 128
 	$(BIN)/eagle train --config configs/smollm2-135m-eagle1.yaml budget.minutes=$(DEMO_MINUTES)
 	$(BIN)/eagle eval --target smollm2-135m --draft $(DEMO)/head --data $(DEMO)/data/val_conversations.jsonl \
 		--num-prompts 8 --max-new-tokens 128 --mode chain --num-speculative-tokens 3 --out $(DEMO)/eval

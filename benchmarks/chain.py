@@ -4,7 +4,9 @@ on the same prompts.
     .venv/bin/python benchmarks/chain.py --draft runs/demo/head --data ../shared/evaldata/mt_bench.jsonl \
         --num-prompts 20 --max-new-tokens 128 --k 2 3 4 5 6 --dynamic 4,4,8 2,5,8 --static configs/trees/small.json
 
-`--dynamic TOP_K,DEPTH,TOTAL_TOKENS` adds EAGLE-2 dynamic trees, `--static FILE` a static tree of choice paths.
+`--dynamic TOP_K,DEPTH,TOTAL_TOKENS` adds EAGLE-2 dynamic trees, `--static FILE` a static tree of choice paths,
+`--grid-top-k 2 4 8 --grid-depth 3 5 7 --grid-total 4 8 16 32` every dynamic tree of that grid (a sweep; add
+`--no-baselines` to skip transformers' two methods, our greedy stays as the reference).
 
 For every prompt, each method runs back to back (so machine noise hits them alike). Prints a Markdown table and,
 as its last line, a JSON object with every number.
@@ -45,8 +47,14 @@ def main() -> None:
     ap.add_argument("--dynamic", nargs="*", default=[], metavar="TOP_K,DEPTH,TOTAL",
                     help="dynamic trees to add, e.g. 4,4,8")
     ap.add_argument("--static", nargs="*", default=[], metavar="FILE", help="static trees (JSON choice lists)")
+    ap.add_argument("--grid-top-k", type=int, nargs="*", default=[])
+    ap.add_argument("--grid-depth", type=int, nargs="*", default=[])
+    ap.add_argument("--grid-total", type=int, nargs="*", default=[])
     ap.add_argument("--lookup", type=int, default=10, help="prompt_lookup_num_tokens for transformers")
+    ap.add_argument("--baselines", action=argparse.BooleanOptionalAction, default=True,
+                    help="also run transformers' generate and prompt lookup")
     args = ap.parse_args()
+    args.dynamic += [f"{k},{d},{t}" for k in args.grid_top_k for d in args.grid_depth for t in args.grid_total]
     spec = {f"chain_k{k}": dict(mode="chain", num_speculative_tokens=k) for k in args.k}
     for d in args.dynamic:
         top_k, depth, total = (int(x) for x in d.split(","))
@@ -58,7 +66,7 @@ def main() -> None:
     dec = SpeculativeDecoder.from_pretrained(target, args.draft)
     prompts = load_prompts(args.data, args.num_prompts)
     n = args.max_new_tokens
-    methods = ["engine_greedy", "hf_generate", "hf_prompt_lookup"] + list(spec)
+    methods = ["engine_greedy"] + (["hf_generate", "hf_prompt_lookup"] if args.baselines else []) + list(spec)
     tokens = {m: 0 for m in methods}
     seconds = {m: 0.0 for m in methods}
     rounds = {m: [0, 0] for m in spec}  # emitted, verify passes
@@ -68,14 +76,16 @@ def main() -> None:
     dec.generate(warm, 8, speculative=False)
     for kw in spec.values():
         dec.generate(warm, 8, **kw)
-    hf_generate(target, warm, 8)
+    if args.baselines:
+        hf_generate(target, warm, 8)
     for i, p in enumerate(prompts):
         ids = dec.encode(p["prompt"])
         base = dec.generate(ids, n, speculative=False)
         ref = base.token_ids
         runs = {"engine_greedy": (ref, base.total_s)}
-        runs["hf_generate"] = hf_generate(target, ids, n)
-        runs["hf_prompt_lookup"] = hf_generate(target, ids, n, args.lookup)
+        if args.baselines:
+            runs["hf_generate"] = hf_generate(target, ids, n)
+            runs["hf_prompt_lookup"] = hf_generate(target, ids, n, args.lookup)
         for m, kw in spec.items():
             out = dec.generate(ids, n, **kw)
             runs[m] = (out.token_ids, out.total_s)
@@ -102,12 +112,14 @@ def main() -> None:
         "identical_to_engine_greedy": {m: same[m] / len(prompts) for m in methods},
     }
     print()
-    print("| method | tau | tokens/s | speedup vs our greedy | identical to greedy |")
-    print("|---|---|---|---|---|")
+    print("| method | tau | tokens/s | speedup vs our greedy | draft ms / round | verify ms / round | identical |")
+    print("|---|---|---|---|---|---|---|")
     for m in methods:
-        tau = result["tau"].get(m)
+        tau, ms = result["tau"].get(m), result["ms_per_round"].get(m)
+        draft, verify = ("", "") if ms is None else (f"{ms['draft']:.1f}", f"{ms['verify']:.1f}")
         print(f"| {m} | {'' if tau is None else f'{tau:.2f}'} | {tps[m]:.1f} | "
-              f"{result['speedup_vs_engine_greedy'][m]:.2f}x | {result['identical_to_engine_greedy'][m]:.2f} |")
+              f"{result['speedup_vs_engine_greedy'][m]:.2f}x | {draft} | {verify} | "
+              f"{result['identical_to_engine_greedy'][m]:.2f} |")
     print(json.dumps(result))
 
 

@@ -372,7 +372,7 @@ def train(cfg: TrainConfig, target: TargetModel | None = None) -> dict:
 
     bar = tqdm(total=limit_s if limit_s else max_steps, initial=state["train_s"] if limit_s else state["step"],
                unit="s" if limit_s else "step", desc="train", dynamic_ncols=True,
-               bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt}{unit} [{elapsed}<{remaining}{postfix}]")
+               bar_format="{l_bar}{bar}| {n:.0f}/{total:.0f}{unit} [{elapsed}<{remaining}{postfix}]")
     last_save = last_val = state["train_s"]
     tok_window, t_window = 0, time.perf_counter()
     while progress() < 1.0:
