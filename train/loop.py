@@ -370,9 +370,9 @@ def train(cfg: TrainConfig, target: TargetModel | None = None) -> dict:
         log.flush()
         tqdm.write("validation: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in rec.items()))
 
-    bar = tqdm(total=limit_s if limit_s else max_steps, initial=state["train_s"] if limit_s else state["step"],
+    bar = tqdm(total=int(limit_s) if limit_s else max_steps, initial=int(state["train_s"]) if limit_s else state["step"],
                unit="s" if limit_s else "step", desc="train", dynamic_ncols=True,
-               bar_format="{l_bar}{bar}| {n:.0f}/{total:.0f}{unit} [{elapsed}<{remaining}{postfix}]")
+               bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt}{unit} [{elapsed}<{remaining}{postfix}]")
     last_save = last_val = state["train_s"]
     tok_window, t_window = 0, time.perf_counter()
     while progress() < 1.0:
@@ -401,7 +401,7 @@ def train(cfg: TrainConfig, target: TargetModel | None = None) -> dict:
             state["train_s"] += dt
             state["tokens"] += ids.numel()
             tok_window += ids.numel()
-            bar.update(dt if limit_s else 1)
+            bar.update(int(state["train_s"]) - bar.n if limit_s else 1)  # whole seconds
             if state["step"] % cfg.log_every == 0:
                 tps = tok_window / (time.perf_counter() - t_window)
                 tok_window, t_window = 0, time.perf_counter()
