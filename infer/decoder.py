@@ -33,9 +33,11 @@ class DecodeConfig:
     mode: str = "chain"  # chain | static | dynamic (EAGLE-2)
     num_speculative_tokens: int = 4  # chain: drafted tokens per round
     tree: str = ""  # static: choice paths, a JSON list (or a file holding one) such as [[0], [1], [0, 0]]
-    top_k: int = 4  # dynamic: children per expanded node, and nodes expanded per level
-    depth: int = 4  # dynamic: levels drafted per round
-    total_tokens: int = 8  # dynamic: tree nodes verified per round, the root included
+    # dynamic-tree defaults: the fastest of a 36-setting sweep on this 2-core CPU (BENCHMARKS.md), where every
+    # verified node costs time; on an accelerator larger trees (e.g. 8, 5, 32: tau 1.80 against 1.51) pay off
+    top_k: int = 2  # dynamic: children per expanded node, and nodes expanded per level
+    depth: int = 3  # dynamic: levels drafted per round
+    total_tokens: int = 4  # dynamic: tree nodes verified per round, the root included
     max_new_tokens: int = 128
     temperature: float = 0.0  # 0: greedy; > 0: lossless sampling from the target's distribution
     top_p: float = 1.0
