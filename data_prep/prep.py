@@ -147,14 +147,15 @@ def prepare(cfg: PrepConfig, target=None) -> PrepSummary:
     dropped, trimmed = Counter(src.dropped), Counter(src.trimmed)
     replies = 0
     ended = [None] * len(convs)
-    single = [None] * len(convs)  # single-turn regeneration: (prompt ids, Reply) per row
+    one_turn = cfg.regenerate and cfg.max_turns == 1  # rows are then the generated ids themselves
+    single = [None] * len(convs)  # with one_turn: (prompt ids, Reply) per row
     if cfg.regenerate:
         # A prompt longer than this cannot give a row that surely fits in max_length.
         max_prompt = cfg.max_length - cfg.max_new_tokens
         regen = regenerate_with_stats(target, convs, cfg.max_new_tokens, cfg.regen_batch_size, max_prompt,
-                                      cfg.max_turns, keep_features=cfg.save_features and cfg.max_turns == 1)
+                                      cfg.max_turns, keep_features=cfg.save_features and one_turn)
         replies, convs, ended = regen.replies, regen.conversations, regen.ended
-        if cfg.max_turns == 1:
+        if one_turn:
             single = regen.last_turn
     else:
         convs = [first_turns(c, cfg.max_turns) for c in convs]
@@ -189,7 +190,7 @@ def prepare(cfg: PrepConfig, target=None) -> PrepSummary:
     _write_jsonl(out / "train.jsonl", [dataclasses.asdict(examples[i]) for i in train_idx])
     _write_jsonl(out / "val.jsonl", [dataclasses.asdict(examples[i]) for i in val_idx])
     _write_jsonl(out / "val_conversations.jsonl", [{"messages": kept_convs[i]} for i in val_idx])
-    if len(feats) == len(examples) and all(f is not None for f in feats):
+    if one_turn and cfg.save_features:  # every kept row came with its features
         for split, idx in (("train", train_idx), ("val", val_idx)):
             save_features(features_path(out, split, target), [feats[i] for i in idx])
 

@@ -1,11 +1,10 @@
 """The target's KV cache with three verbs: `append` (a forward pass does it), `crop(n)` and `compact(start, keep)`.
 
 Every detail of transformers' cache classes lives here and in `eagle.target.preallocated_cache`, because those
-internals change between releases. We use a `DynamicCache` built without the model config, so every layer keeps all positions (no sliding-window
-eviction); positions are then plain indices along the sequence axis. Its layers are preallocated (gpt-fast
-style, `eagle.target.preallocated_cache`): `update` writes new keys and values into a buffer that grows by
-doubling, instead of concatenating (a copy of the whole cache per layer per step), and crop / compact only move
-the length.
+internals change between releases. The cache is a `DynamicCache` built without the model config, so every layer
+keeps all positions (no sliding-window eviction); positions are then plain indices along the sequence axis. Its
+layers write new keys and values into a buffer that grows by doubling (gpt-fast style) instead of concatenating
+(a copy of the whole cache per layer per step), and crop / compact only move the length.
 """
 
 from __future__ import annotations
