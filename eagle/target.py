@@ -113,9 +113,16 @@ def resolve_target(name: str) -> Path | str:
 
 
 def _gguf_cache_dir(gguf: Path) -> Path:
-    st = gguf.stat()
-    key = hashlib.sha1(f"{gguf.resolve()}|{st.st_size}|{int(st.st_mtime)}".encode()).hexdigest()[:12]
-    return cache_root() / "targets" / f"{gguf.stem}-{key}"
+    """Keyed by the file's content (size, first and last MiB) and the transformers version that converts it, not
+    by its path: a fresh virtual environment holding the same package reuses the conversion."""
+    import transformers
+
+    h = hashlib.sha1(f"{gguf.stat().st_size}|{transformers.__version__}|".encode())
+    with open(gguf, "rb") as f:
+        h.update(f.read(1 << 20))
+        f.seek(max(gguf.stat().st_size - (1 << 20), 0))
+        h.update(f.read())
+    return cache_root() / "targets" / f"{gguf.stem}-{h.hexdigest()[:12]}"
 
 
 def _convert_gguf(gguf: Path, out: Path) -> None:

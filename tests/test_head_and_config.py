@@ -102,3 +102,17 @@ def test_import_direction():
                 for n in names:
                     top = n.split(".")[0]
                     assert top not in ours or top in ok, f"{f.relative_to(ROOT)} imports {n}"
+
+
+def test_gguf_conversion_cache_is_keyed_by_content_not_path(tmp_path, monkeypatch):
+    from eagle.target import _gguf_cache_dir
+
+    monkeypatch.setenv("EAGLE_CACHE", str(tmp_path / "cache"))
+    blob = bytes(range(256)) * 9000  # > 2 MiB, so head and tail are read separately
+    a, b, c = tmp_path / "a" / "m.gguf", tmp_path / "b" / "m.gguf", tmp_path / "c" / "m.gguf"
+    for f, data in ((a, blob), (b, blob), (c, blob[:-1] + b"x")):
+        f.parent.mkdir()
+        f.write_bytes(data)
+    assert _gguf_cache_dir(a) == _gguf_cache_dir(b)  # the same package in another virtual environment
+    assert _gguf_cache_dir(a) != _gguf_cache_dir(c)
+    assert _gguf_cache_dir(a).name.startswith("m-")
