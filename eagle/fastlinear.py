@@ -3,17 +3,19 @@ by measurement on the machine that runs it.
 
 At batch 1 every decoder step multiplies each weight by a handful of rows, so a step is bound by reading the
 weights. The stock `F.linear(x, W)` is a poor reader for 1-16 rows on this machine (torch 2.13, MKL, 2 threads:
-SmolLM2's 30 layers take ~44 ms for one row and ~60 ms for eight), while the same product laid out as
-`(W @ x.T).T` takes ~25 ms for 2-4 rows and ~39 ms for eight; one row is padded to two because MKL's
-single-vector path is the slow one. Which layout wins depends on the shape, the row count and the machine,
-so `calibrate` times both and keeps the faster: over whole forward passes when it is given a function that runs
-one (the decoder does), else over all weights of each shape in a cold sweep.
+SmolLM2's 30 layers take ~44-54 ms for one row and ~60 ms for eight). Three layouts are measured:
+`linear` (the stock product), `wxt` (`(W @ x.T).T`, one row padded to two: ~25 ms for 2-4 rows) and `kernel`
+(`eagle.cpukernel`, a small C kernel that streams each weight row once: ~31-36 ms for 1-4 rows in a slow hour
+where `F.linear` took 52 ms for one). Which layout wins depends on the shape, the row count and the machine,
+so `calibrate` times them all and keeps the fastest: over whole forward passes when it is given a function that
+runs one (the decoder does), else over all weights of each shape in a cold sweep.
 
     enable_fast_linear(target.model)    # patches the forward of every nn.Linear, on this instance only
     ...
     disable_fast_linear(target.model)   # the stock forwards again
 
-The plan is cached per machine, thread count, torch version and set of shapes under `$EAGLE_CACHE/fastlinear/`.
+The plan is cached per machine, thread count, torch version, set of shapes and available layouts under
+`$EAGLE_CACHE/fastlinear/`.
 Only inference is affected: with gradients enabled, on other devices and above `MAX_ROWS` rows the stock
 forward runs. Results agree with the stock forward to float32 rounding (the summation order differs).
 """
@@ -35,11 +37,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from eagle import cpukernel
 from eagle.target import cache_root
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # row counts measured; a call uses the plan of the smallest bucket >= its rows
 MAX_ROWS = BUCKETS[-1]
-LAYOUTS = ("linear", "wxt")
+# "linear": F.linear; "wxt": (W @ x.T).T; "kernel": eagle.cpukernel's C kernel (where it builds and fits the shape)
+LAYOUTS = ("linear", "wxt", "kernel")
+
+
+def available_layouts() -> tuple[str, ...]:
+    return LAYOUTS if cpukernel.available() else tuple(x for x in LAYOUTS if x != "kernel")
 
 
 def _wxt(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -52,10 +60,15 @@ def _wxt(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> t
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, layout: str) -> torch.Tensor:
     """`F.linear(x, weight, bias)` through the named layout."""
-    if layout == "linear":
+    if layout == "linear" or (layout == "kernel" and not _kernel_fits(weight)):
         return F.linear(x, weight, bias)
     x2 = x.reshape(-1, x.shape[-1])
-    return _wxt(x2, weight, bias).view(*x.shape[:-1], weight.shape[0])
+    y = cpukernel.rows_linear(x2, weight, bias) if layout == "kernel" else _wxt(x2, weight, bias)
+    return y.view(*x.shape[:-1], weight.shape[0])
+
+
+def _kernel_fits(weight: torch.Tensor) -> bool:
+    return cpukernel.supports(weight) and cpukernel.available()
 
 
 @dataclass
@@ -115,9 +128,9 @@ def calibrate(model: nn.Module, repeats: int = 5, run: Callable[[int], float] | 
 
 def _time_passes(model, groups, rows: int, repeats: int, run) -> dict[str, float]:
     """Median ms of whole passes with every weight in one layout, layouts interleaved; the first round warms up."""
-    samples = {layout: [] for layout in LAYOUTS}
+    samples = {layout: [] for layout in available_layouts()}
     for r in range(repeats + 1):
-        for layout in LAYOUTS:
+        for layout in samples:
             enable_fast_linear(model, Plan(layouts={k: {b: layout for b in BUCKETS} for k in groups}))
             seconds = run(rows)
             if r:
@@ -132,7 +145,7 @@ def _time_sweep(mods: list[nn.Linear], rows: int, repeats: int) -> dict[str, flo
     gen = torch.Generator(device="cpu").manual_seed(rows)  # leaves the global RNG alone
     x = torch.randn(rows, w0.shape[1], generator=gen, dtype=w0.dtype).to(w0.device)
     times = {}
-    for layout in LAYOUTS:
+    for layout in available_layouts():
         samples = []
         for r in range(repeats + 1):
             t0 = time.perf_counter()
@@ -147,7 +160,7 @@ def _time_sweep(mods: list[nn.Linear], rows: int, repeats: int) -> dict[str, flo
 def _plan_path(model: nn.Module, how: str) -> str:
     shapes = sorted({_shape_key(m.weight) + str(m.weight.dtype) for m in _linears(model)})
     ident = json.dumps([platform.processor() or platform.machine(), _cpu_name(), torch.get_num_threads(),
-                        torch.__version__, shapes, how])
+                        torch.__version__, shapes, how, available_layouts()])
     return str(cache_root() / "fastlinear" / f"{hashlib.sha1(ident.encode()).hexdigest()[:16]}.json")
 
 
@@ -189,7 +202,8 @@ def enable_fast_linear(model: nn.Module, plan: Plan | None = None, run: Callable
     plan = plan or load_or_calibrate(model, run)
     for mod in _linears(model):
         # the layout for every row count, looked up once here instead of on every call
-        mod._fast_by_rows = [plan.layout(mod.weight, max(rows, 1)) for rows in range(MAX_ROWS + 1)]
+        by_rows = [plan.layout(mod.weight, max(rows, 1)) for rows in range(MAX_ROWS + 1)]
+        mod._fast_by_rows = [("linear" if x == "kernel" and not _kernel_fits(mod.weight) else x) for x in by_rows]
         mod.forward = types.MethodType(_fast_forward, mod)
     return plan
 

@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from eagle import cpukernel
 from eagle.fastlinear import (BUCKETS, LAYOUTS, Plan, calibrate, disable_fast_linear, enable_fast_linear,
                               fast_linear_enabled, linear)
 from infer import SpeculativeDecoder
@@ -24,6 +25,18 @@ def test_layouts_match_f_linear(layout, shape):
             want = F.linear(x, w, bias)
             assert got.shape == want.shape and got.is_contiguous()
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * shape[1] ** 0.5)
+
+
+@pytest.mark.skipif(not cpukernel.available(), reason="the C kernel does not build here")
+def test_kernel_gives_every_row_the_same_bits_whatever_the_row_count():
+    # what makes a verification pass give each token exactly the logits of a single-token step
+    g = torch.Generator().manual_seed(1)
+    w, b = torch.randn(96, 64, generator=g), torch.randn(96, generator=g)
+    x = torch.randn(17, 64, generator=g)
+    alone = torch.cat([cpukernel.rows_linear(x[i:i + 1], w, b) for i in range(17)])
+    for rows in (2, 3, 8, 17):
+        assert torch.equal(cpukernel.rows_linear(x[:rows], w, b), alone[:rows])
+    assert not cpukernel.supports(torch.randn(8, 20)) and not cpukernel.supports(torch.randn(64, 8).t())
 
 
 def test_plan_covers_every_shape_and_bucket():
