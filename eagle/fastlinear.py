@@ -209,7 +209,7 @@ def enable_fast_linear(model: nn.Module, plan: Plan | None = None, run: Callable
 
 
 def disable_fast_linear(model: nn.Module) -> None:
-    """Restore the stock forward of every patched `nn.Linear` in `model`."""
+    """Restore the stock forward of every patched `nn.Linear` in `model` (shared layers included)."""
     for mod in _linears(model):
         if "forward" in mod.__dict__:
             del mod.forward
@@ -217,4 +217,7 @@ def disable_fast_linear(model: nn.Module) -> None:
 
 
 def fast_linear_enabled(model: nn.Module) -> bool:
-    return any("_fast_by_rows" in mod.__dict__ for mod in _linears(model))
+    """Whether every linear layer of `model` is patched (a layer it shares with another patched model, such as
+    a head's borrowed lm_head, does not make it so)."""
+    mods = _linears(model)
+    return bool(mods) and all("_fast_by_rows" in mod.__dict__ for mod in mods)

@@ -124,7 +124,7 @@ class SpeculativeDecoder:
                 continue
             if on and self.target.device.type == "cpu" and not fast_linear_enabled(model):
                 enable_fast_linear(model, run=self._calibration_pass if model is self.target.model else None)
-            elif not on and fast_linear_enabled(model):
+            elif not on:
                 disable_fast_linear(model)
 
     @classmethod

@@ -76,6 +76,7 @@ def test_speculative_greedy_equals_plain_greedy_with_fast_linear_on_and_off():
     plain_on = dec.generate(prompt, max_new_tokens=24, speculative=False).token_ids
     spec_on = dec.generate(prompt, max_new_tokens=24, num_speculative_tokens=3).token_ids
     assert fast_linear_enabled(target.model) and fast_linear_enabled(dec.head)
+    assert "forward" in dec.head.fc.__dict__  # the head's own layers, not only the lm_head it shares
     assert plain_on == plain_off == spec_on
     dec.generate(prompt, max_new_tokens=4, fast_linear=False)
     assert not fast_linear_enabled(target.model) and not fast_linear_enabled(dec.head)
