@@ -4,9 +4,10 @@ budget, evaluated on the same prompts in one process.
     .venv/bin/python benchmarks/eagle3_vs_eagle1.py --minutes 60 --data ../shared/evaldata/mt_bench.jsonl \
         --data ../shared/evaldata/gsm8k.jsonl --num-prompts 20
 
-1. prepares regenerated ShareGPT rows once (`--rows`, reused when the same prep already ran);
+1. prepares regenerated ShareGPT rows once (`--rows`, reused when the same prep already ran), or uses the
+   rows of `--prepared DIR` (written by `eagle prep`);
 2. trains each head for `--minutes` (presets configs/smollm2-135m-eagle{1,3}.yaml, `--draft-vocab` for the
-   reduced ones; runs resume if killed);
+   reduced ones, `--override HEAD:key=value` for one head's settings; runs resume if killed);
 3. on every prompt of every `--data` file: plain greedy once, then each head in chain mode (`--k`) and as a
    dynamic tree (`--dynamic TOP_K,DEPTH,TOTAL`); tau, per-position acceptance, speedup over greedy, and draft ms
    per step (drafting time / drafted levels).
@@ -42,9 +43,12 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=20)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--rows", type=int, default=320, help="ShareGPT rows to regenerate for training")
-    ap.add_argument("--draft-vocab", type=int, default=8192)
+    ap.add_argument("--prepared", help="train on this prepared directory instead of regenerating --rows")
+    ap.add_argument("--draft-vocab", type=int, default=4096)
+    ap.add_argument("--override", action="append", default=[], metavar="HEAD:KEY=VALUE",
+                    help="a config override for one head, e.g. eagle3:loss.steps=2")
     ap.add_argument("--k", type=int, default=3)
-    ap.add_argument("--dynamic", default="4,4,8", metavar="TOP_K,DEPTH,TOTAL")
+    ap.add_argument("--dynamic", default="2,3,4", metavar="TOP_K,DEPTH,TOTAL")
     ap.add_argument("--out", default="runs/eagle3_vs_eagle1")
     ap.add_argument("--heads", nargs="*", default=list(HEADS))
     args = ap.parse_args()
@@ -52,15 +56,22 @@ def main() -> None:
     target = load_target("smollm2-135m")
 
     # 1. data, once
-    data = out / "data"
-    prepare(PrepConfig(target="smollm2-135m", data="sharegpt", out=str(data), max_rows=args.rows, regenerate=True,
-                       max_turns=1, max_new_tokens=192, max_length=448, regen_batch_size=64), target=target)
+    data = Path(args.prepared) if args.prepared else out / "data"
+    if not args.prepared:
+        prepare(PrepConfig(target="smollm2-135m", data="sharegpt", out=str(data), max_rows=args.rows,
+                           regenerate=True, max_turns=1, max_new_tokens=192, max_length=448, regen_batch_size=128),
+                target=target)
+    overrides = {name: [o.split(":", 1)[1] for o in args.override if o.split(":", 1)[0] == name] for name in HEADS}
+    unknown = [o for o in args.override if o.split(":", 1)[0] not in HEADS or ":" not in o]
+    if unknown:
+        raise SystemExit(f"--override {unknown[0]!r}: expected HEAD:KEY=VALUE with HEAD one of {', '.join(HEADS)}")
     # 2. heads, same budget each
     for name in args.heads:
         preset, reduced = HEADS[name]
         cfg = load_config(TrainConfig, preset, [
             f"data.prepared={data}", f"run_dir={out / name / 'train'}", f"out={out / name / 'head'}",
-            f"budget.minutes={args.minutes}", f"model.draft_vocab={args.draft_vocab if reduced else 0}"])
+            f"budget.minutes={args.minutes}", f"model.draft_vocab={args.draft_vocab if reduced else 0}",
+            *overrides[name]])
         train(cfg, target=target)
 
     # 3. the same prompts for every head
@@ -109,7 +120,8 @@ def main() -> None:
 
     result = {n: {**summary([(n, f, "chain") for f in files]),
                   "per_file": {f: {m: summary([(n, f, m)]) for m in modes} for f in files}} for n in decs}
-    result["settings"] = {"minutes": args.minutes, "rows": args.rows, "draft_vocab": args.draft_vocab,
+    result["settings"] = {"minutes": args.minutes, "rows": args.rows, "prepared": args.prepared,
+                          "draft_vocab": args.draft_vocab, "overrides": args.override,
                           "k": args.k, "dynamic": args.dynamic, "num_prompts": args.num_prompts,
                           "max_new_tokens": args.max_new_tokens, "data": args.data}
     print("| head | file | mode | tau | speedup | draft ms/step | lossless |")
