@@ -21,13 +21,15 @@ import time
 import torch
 
 from eagle import load_target
+from eagle.attention import use_gqa_sdpa
 from eagle.fastlinear import disable_fast_linear
 from infer import SpeculativeDecoder
 from infer.evaluate import load_prompts
 
 
 def hf_generate(target, ids: list[int], n: int, lookup: int = 0) -> tuple[list[int], float]:
-    disable_fast_linear(target.model)  # transformers as users run it; our decoder re-enables its layouts
+    disable_fast_linear(target.model)  # transformers as users run it; our decoder re-enables its fast path
+    use_gqa_sdpa(target.model, False)
     x = torch.tensor([ids])
     kw = {"prompt_lookup_num_tokens": lookup} if lookup else {}
     t0 = time.perf_counter()

@@ -6,8 +6,9 @@ transformers' `generate`, its prompt lookup, our plain greedy and our speculativ
 
 Parts (every timing is a median over repeats, methods interleaved so machine noise hits them alike):
 1. memory: read bandwidth (a 256 MB sum) and the bytes of the target's weights, i.e. the floor of one step;
-2. the cost of one target pass over M new tokens with a KV cache of --context tokens, M = 1..32, stock linear
-   layers vs the measured layouts (eagle.fastlinear), and its ratio to M = 1 (what verifying M tokens costs);
+2. the cost of one target pass over M new tokens with a KV cache of --context tokens, M = 1..32, stock (linear
+   layers and sdpa) vs the fast path (the measured layouts of eagle.fastlinear and eagle.attention's gqa_sdpa),
+   and its ratio to M = 1 (what verifying M tokens costs);
 3. thread scaling of the same pass at M = 1 and 8;
 4. the prompts: HF generate and HF prompt lookup (stock layers, as users run them), our greedy with stock and
    fast layers, our speculative decoding with fast layers; identical outputs checked against HF greedy.
@@ -26,6 +27,7 @@ import torch
 
 from chain import hf_generate  # benchmarks/chain.py: transformers' generate with the stock layers
 from eagle import load_target
+from eagle.attention import use_gqa_sdpa
 from eagle.fastlinear import disable_fast_linear, enable_fast_linear
 from infer import SpeculativeDecoder
 from infer.cache import TargetCache
@@ -46,6 +48,7 @@ def bandwidth_gb_s() -> float:
 def pass_ms(target, context: int, rows_list: list[int], repeats: int, fast: bool) -> dict[int, float]:
     """Median ms of one target pass (features + logits of every row) over `rows` new tokens after `context`."""
     (enable_fast_linear if fast else disable_fast_linear)(target.model)
+    use_gqa_sdpa(target.model, fast)
     cache = TargetCache()
     g = torch.Generator().manual_seed(0)
     ctx = torch.randint(100, 20000, (1, context), generator=g)

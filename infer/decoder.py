@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from eagle import EagleHead, TargetModel, load_target
+from eagle.attention import use_gqa_sdpa
 from eagle.fastlinear import disable_fast_linear, enable_fast_linear, fast_linear_enabled
 from infer import tree
 from infer.cache import TargetCache
@@ -46,7 +47,8 @@ class DecodeConfig:
     stop: list[str] = field(default_factory=list)  # stop strings: the output ends with the first one
     # chat template for string prompts ("auto": the target's own when it has one, else the raw text)
     chat_template: str = "auto"
-    # on CPU, run the target's and the head's linear layers through the measured matmul layouts (eagle.fastlinear)
+    # the fast path: on CPU, the target's and the head's linear layers run through the measured matmul layouts
+    # (eagle.fastlinear); on any device, tree-masked passes keep grouped key/value heads packed (eagle.attention)
     fast_linear: bool = True
 
 
@@ -118,7 +120,9 @@ class SpeculativeDecoder:
 
     def _use_fast_linear(self, on: bool) -> None:
         """Patch (or restore) the linear layers of the target and the head in place; the first call on a machine
-        calibrates for a few seconds (eagle.fastlinear)."""
+        calibrates for a few seconds (eagle.fastlinear). The target's `sdpa` attention becomes `gqa_sdpa`
+        (eagle.attention: tree-masked passes without copying the KV cache per query head)."""
+        use_gqa_sdpa(self.target.model, on)
         for model in (self.target.model, self.head):
             if model is None:
                 continue
