@@ -19,16 +19,16 @@ It is registered with transformers' attention interface (the documented extensio
 
 from __future__ import annotations
 
-import torch
 import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 IMPLEMENTATION = "eagle_gqa_sdpa"
 _registered = False
 
 
 def gqa_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
     rep = getattr(module, "num_key_value_groups", 1)
     b, h, m, d = query.shape
     plain = (rep == 1 or m == 1 or attention_mask is None or attention_mask.dim() != 4
@@ -47,9 +47,6 @@ def gqa_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=Non
 def _register() -> None:
     global _registered
     if not _registered:
-        from transformers import AttentionInterface
-        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
         AttentionInterface.register(IMPLEMENTATION, gqa_sdpa)
         AttentionMaskInterface.register(IMPLEMENTATION, sdpa_mask)  # prefill masks are built as for sdpa
         _registered = True

@@ -59,16 +59,22 @@ def _wxt(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> t
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, layout: str) -> torch.Tensor:
-    """`F.linear(x, weight, bias)` through the named layout."""
-    if layout == "linear" or (layout == "kernel" and not _kernel_fits(weight)):
+    """`F.linear(x, weight, bias)` through the named layout (the stock one where the kernel does not fit)."""
+    return _apply(x, weight, bias, _fitting(layout, weight))
+
+
+def _fitting(layout: str, weight: torch.Tensor) -> str:
+    """`layout`, or "linear" where it is the kernel and the kernel cannot take this weight here."""
+    fits = layout != "kernel" or (cpukernel.supports(weight) and cpukernel.available())
+    return layout if fits else "linear"
+
+
+def _apply(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, layout: str) -> torch.Tensor:
+    if layout == "linear":
         return F.linear(x, weight, bias)
     x2 = x.reshape(-1, x.shape[-1])
     y = cpukernel.rows_linear(x2, weight, bias) if layout == "kernel" else _wxt(x2, weight, bias)
     return y.view(*x.shape[:-1], weight.shape[0])
-
-
-def _kernel_fits(weight: torch.Tensor) -> bool:
-    return cpukernel.supports(weight) and cpukernel.available()
 
 
 @dataclass
@@ -192,7 +198,7 @@ def _fast_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     rows = x.numel() // x.shape[-1]
     if rows > MAX_ROWS or x.device.type != "cpu" or (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)):
         return F.linear(x, w, self.bias)
-    return linear(x, w, self.bias, self._fast_by_rows[rows])
+    return _apply(x, w, self.bias, self._fast_by_rows[rows])  # layouts checked to fit when patched
 
 
 def enable_fast_linear(model: nn.Module, plan: Plan | None = None, run: Callable[[int], float] | None = None) -> Plan:
@@ -202,8 +208,8 @@ def enable_fast_linear(model: nn.Module, plan: Plan | None = None, run: Callable
     plan = plan or load_or_calibrate(model, run)
     for mod in _linears(model):
         # the layout for every row count, looked up once here instead of on every call
-        by_rows = [plan.layout(mod.weight, max(rows, 1)) for rows in range(MAX_ROWS + 1)]
-        mod._fast_by_rows = [("linear" if x == "kernel" and not _kernel_fits(mod.weight) else x) for x in by_rows]
+        mod._fast_by_rows = [_fitting(plan.layout(mod.weight, max(rows, 1)), mod.weight)
+                             for rows in range(MAX_ROWS + 1)]
         mod.forward = types.MethodType(_fast_forward, mod)
     return plan
 

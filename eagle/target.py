@@ -117,10 +117,11 @@ def _gguf_cache_dir(gguf: Path) -> Path:
     by its path: a fresh virtual environment holding the same package reuses the conversion."""
     import transformers
 
-    h = hashlib.sha1(f"{gguf.stat().st_size}|{transformers.__version__}|".encode())
+    size = gguf.stat().st_size
+    h = hashlib.sha1(f"{size}|{transformers.__version__}|".encode())
     with open(gguf, "rb") as f:
         h.update(f.read(1 << 20))
-        f.seek(max(gguf.stat().st_size - (1 << 20), 0))
+        f.seek(max(size - (1 << 20), 0))
         h.update(f.read())
     return cache_root() / "targets" / f"{gguf.stem}-{h.hexdigest()[:12]}"
 
