@@ -1,17 +1,21 @@
-"""A small C kernel for the products of decoding on CPU: `x @ W.T` for a few rows, reading each weight row once.
+"""Small C kernels for decoding on CPU, where a step is a few rows through every weight of the model.
 
-At batch 1 a decoder step multiplies every weight by 1-16 rows, so it is bound by reading the weights. The BLAS
-paths behind `F.linear` read them at a fraction of this machine's bandwidth for one row (BENCHMARKS.md: single-row
-products). This kernel streams each weight row once and multiplies it with every input row while it sits in L1,
-splitting the output rows over the threads `torch.get_num_threads()` names.
+- `rows_linear`: `x @ W.T` for a few rows, reading each weight row once. At batch 1 a decoder step multiplies every
+  weight by 1-16 rows, so it is bound by reading the weights; the BLAS paths behind `F.linear` read them at a
+  fraction of this machine's bandwidth for one row (BENCHMARKS.md). This kernel streams each weight row once and
+  multiplies it with every input row while it sits in L1, splitting the output rows over the threads
+  `torch.get_num_threads()` names.
+- `rows_gated`: a gated MLP's `silu(x @ G.T) * (x @ U.T)` in one pass over both weights.
+- `rms_norm`: an RMS norm of each row in one call (the stock module is eight small torch ops).
+- `attend`: attention of a few query rows over the KV cache, grouped-query heads read in place.
 
-Every output value is summed in the same order whatever the number of rows (four 8-wide accumulators over the
-input, then a fixed reduction), so a verification pass over M tokens gives each token exactly the logits a
-single-token step gives it.
+Every output row is computed alone, in the same order whatever the number of rows (fixed accumulators, a fixed
+reduction, masked keys adding exact zeros), so a verification pass over M tokens gives each token exactly the bits
+a single-token step gives it (tests/test_attention.py checks a whole model).
 
 The source is compiled once per machine with the system C compiler (`cc -O3 -march=native -fopenmp`) into
 `$EAGLE_CACHE/kernels/`. Without a compiler, or on a CPU the build fails on, `available()` is False and callers
-keep the stock product.
+keep the stock torch ops. `EAGLE_NO_KERNEL=1` turns it off.
 """
 
 from __future__ import annotations
@@ -32,12 +36,24 @@ from eagle.target import cache_root
 BLOCK = 32  # input features consumed per inner iteration: in_features must be a multiple
 
 SOURCE = r"""
+#include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 typedef float v8 __attribute__((vector_size(32)));
 
 static inline v8 load8(const float *p) { v8 v; memcpy(&v, p, sizeof v); return v; }
+
+#if defined(__AVX2__) || defined(__FMA__)
+#include <immintrin.h>
+#endif
+#ifdef __FMA__
+/* a + w x with one rounding, written out so that every row's sum is compiled the same way */
+static inline v8 madd(v8 a, v8 w, v8 x) { return (v8)_mm256_fmadd_ps((__m256)w, (__m256)x, (__m256)a); }
+#else
+static inline v8 madd(v8 a, v8 w, v8 x) { return a + w * x; }
+#endif
 
 /* Lane l of accumulator j summed the products i = 32 t + 8 j + l in order; the lanes are added in a fixed order. */
 static inline float reduce(v8 a0, v8 a1, v8 a2, v8 a3) {
@@ -45,37 +61,189 @@ static inline float reduce(v8 a0, v8 a1, v8 a2, v8 a3) {
     return ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
 }
 
-/* Y[m, o] = sum_i W[o, i] X[m, i] (+ B[o]) for m < M; in_f % 32 == 0. Output rows are split over the threads;
-   each weight row is read from memory once and reused from L1 for every pair of input rows. */
+/* acc[m] = sum_i w[i] X[m, i] for m < M (at most CHUNK), each summed in the same order whatever M; the weight
+   row w is read from memory once and reused from L1 for every pair of input rows. in_f % 32 == 0. */
+#define CHUNK 64
+static inline void dot_rows(const float *w, const float *X, int64_t in_f, int64_t M, float *acc) {
+    int64_t m = 0;
+    for (; m + 1 < M; m += 2) {
+        const float *x0 = X + m * in_f, *x1 = x0 + in_f;
+        v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, b0 = {0}, b1 = {0}, b2 = {0}, b3 = {0};
+        for (int64_t i = 0; i < in_f; i += 32) {
+            v8 w0 = load8(w + i), w1 = load8(w + i + 8), w2 = load8(w + i + 16), w3 = load8(w + i + 24);
+            a0 = madd(a0, w0, load8(x0 + i)); a1 = madd(a1, w1, load8(x0 + i + 8));
+            a2 = madd(a2, w2, load8(x0 + i + 16)); a3 = madd(a3, w3, load8(x0 + i + 24));
+            b0 = madd(b0, w0, load8(x1 + i)); b1 = madd(b1, w1, load8(x1 + i + 8));
+            b2 = madd(b2, w2, load8(x1 + i + 16)); b3 = madd(b3, w3, load8(x1 + i + 24));
+        }
+        acc[m] = reduce(a0, a1, a2, a3);
+        acc[m + 1] = reduce(b0, b1, b2, b3);
+    }
+    if (m < M) {
+        const float *x0 = X + m * in_f;
+        v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+        for (int64_t i = 0; i < in_f; i += 32) {
+            a0 = madd(a0, load8(w + i), load8(x0 + i)); a1 = madd(a1, load8(w + i + 8), load8(x0 + i + 8));
+            a2 = madd(a2, load8(w + i + 16), load8(x0 + i + 16)); a3 = madd(a3, load8(w + i + 24), load8(x0 + i + 24));
+        }
+        acc[m] = reduce(a0, a1, a2, a3);
+    }
+}
+
+/* Y[m, o] = sum_i W[o, i] X[m, i] (+ B[o]) for m < M. Output rows are split over the threads. */
 void rows_linear(const float *W, const float *X, const float *B, float *Y,
                  int64_t out_f, int64_t in_f, int64_t M, int nthreads) {
     #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t o = 0; o < out_f; o++) {
-        const float *w = W + o * in_f;
+        float acc[CHUNK];
         const float bias = B ? B[o] : 0.0f;
-        int64_t m = 0;
-        for (; m + 1 < M; m += 2) {
-            const float *x0 = X + m * in_f, *x1 = x0 + in_f;
-            v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, b0 = {0}, b1 = {0}, b2 = {0}, b3 = {0};
-            for (int64_t i = 0; i < in_f; i += 32) {
-                v8 w0 = load8(w + i), w1 = load8(w + i + 8), w2 = load8(w + i + 16), w3 = load8(w + i + 24);
-                a0 += w0 * load8(x0 + i); a1 += w1 * load8(x0 + i + 8);
-                a2 += w2 * load8(x0 + i + 16); a3 += w3 * load8(x0 + i + 24);
-                b0 += w0 * load8(x1 + i); b1 += w1 * load8(x1 + i + 8);
-                b2 += w2 * load8(x1 + i + 16); b3 += w3 * load8(x1 + i + 24);
-            }
-            Y[m * out_f + o] = reduce(a0, a1, a2, a3) + bias;
-            Y[(m + 1) * out_f + o] = reduce(b0, b1, b2, b3) + bias;
+        for (int64_t m0 = 0; m0 < M; m0 += CHUNK) {
+            int64_t n = M - m0 < CHUNK ? M - m0 : CHUNK;
+            dot_rows(W + o * in_f, X + m0 * in_f, in_f, n, acc);
+            for (int64_t m = 0; m < n; m++) Y[(m0 + m) * out_f + o] = acc[m] + bias;
         }
-        if (m < M) {
-            const float *x0 = X + m * in_f;
-            v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
-            for (int64_t i = 0; i < in_f; i += 32) {
-                a0 += load8(w + i) * load8(x0 + i); a1 += load8(w + i + 8) * load8(x0 + i + 8);
-                a2 += load8(w + i + 16) * load8(x0 + i + 16); a3 += load8(w + i + 24) * load8(x0 + i + 24);
-            }
-            Y[m * out_f + o] = reduce(a0, a1, a2, a3) + bias;
+    }
+}
+
+/* A gated MLP's first half: Y[m, o] = silu(G[o] . X[m]) * (U[o] . X[m]), reading rows o of G and U together. */
+void rows_gated(const float *G, const float *U, const float *X, float *Y,
+                int64_t out_f, int64_t in_f, int64_t M, int nthreads) {
+    #pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t o = 0; o < out_f; o++) {
+        float g[CHUNK], u[CHUNK];
+        for (int64_t m0 = 0; m0 < M; m0 += CHUNK) {
+            int64_t n = M - m0 < CHUNK ? M - m0 : CHUNK;
+            dot_rows(G + o * in_f, X + m0 * in_f, in_f, n, g);
+            dot_rows(U + o * in_f, X + m0 * in_f, in_f, n, u);
+            for (int64_t m = 0; m < n; m++) Y[(m0 + m) * out_f + o] = g[m] / (1.0f + expf(-g[m])) * u[m];
         }
+    }
+}
+
+#ifdef __AVX2__
+/* exp(x) for x <= 0 (Cephes' polynomial after a reduction by ln 2; about 1 ulp), 0 below -87 */
+static inline v8 vexp(v8 x) {
+    const __m256 lo = _mm256_set1_ps(-87.0f);
+    __m256 xm = _mm256_max_ps((__m256)x, lo);
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(xm, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_sub_ps(xm, _mm256_mul_ps(n, _mm256_set1_ps(0.693359375f)));
+    r = _mm256_sub_ps(r, _mm256_mul_ps(n, _mm256_set1_ps(-2.12194440e-4f)));
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_add_ps(_mm256_mul_ps(y, r), _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_add_ps(_mm256_mul_ps(y, r), _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_add_ps(_mm256_mul_ps(y, r), _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_add_ps(_mm256_mul_ps(y, r), _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_add_ps(_mm256_mul_ps(y, r), _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(_mm256_mul_ps(y, r), r), r), _mm256_set1_ps(1.0f));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    __m256 out = _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+    return (v8)_mm256_and_ps(out, _mm256_cmp_ps((__m256)x, lo, _CMP_GE_OQ));
+}
+#else
+static inline v8 vexp(v8 x) { v8 y; for (int l = 0; l < 8; l++) y[l] = x[l] < -87.0f ? 0.0f : expf(x[l]); return y; }
+#endif
+
+static inline float hsum(v8 a) { return ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7])); }
+
+/* Attention of M query rows over L keys, one task per (batch b, query head h, row m), head h reading key/value
+   head h / rep: O[b, m, h] = sum_j softmax_j(scale Q[b, h, m] . K[b, h / rep, j] + mask[b, m, j]) V[b, h / rep, j].
+   Strides are in floats; the last axis (D, a multiple of 8) is contiguous. mask_kind 0: none, 1: bool (keep where
+   nonzero), 2: additive float. Masked keys are skipped, and every row is computed alone in the same order, so a
+   query row gets the same bits whatever the other rows of its pass. */
+void attend(const float *Q, int64_t q_sb, int64_t q_sh, int64_t q_sm,
+            const float *K, const float *V, int64_t kv_sb, int64_t kv_sh, int64_t kv_sj,
+            const void *mask, int mask_kind, int64_t mask_sb, int64_t mask_sm,
+            float *O, int64_t B, int64_t H, int64_t rep, int64_t M, int64_t L, int64_t D, float scale, int nthreads) {
+    const int64_t L8 = (L + 7) / 8 * 8;
+    #pragma omp parallel num_threads(nthreads)
+    {
+        float *s = (float *)malloc((size_t)L8 * sizeof(float));
+        #pragma omp for schedule(static)
+        for (int64_t t = 0; t < B * H * M; t++) {
+            const int64_t b = t / (H * M), h = (t / M) % H, m = t % M;
+            const float *q = Q + b * q_sb + h * q_sh + m * q_sm;
+            const float *k = K + b * kv_sb + (h / rep) * kv_sh, *v = V + b * kv_sb + (h / rep) * kv_sh;
+            const unsigned char *bm = mask_kind == 1 ? (const unsigned char *)mask + b * mask_sb + m * mask_sm : 0;
+            const float *fm = mask_kind == 2 ? (const float *)mask + b * mask_sb + m * mask_sm : 0;
+            /* scores, four keys in flight; each key's sum runs over d in the same order */
+            int64_t j = 0;
+            for (; j + 3 < L; j += 4) {
+                const float *k0 = k + j * kv_sj, *k1 = k0 + kv_sj, *k2 = k1 + kv_sj, *k3 = k2 + kv_sj;
+                v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+                for (int64_t d = 0; d < D; d += 8) {
+                    v8 qd = load8(q + d);
+                    a0 = madd(a0, qd, load8(k0 + d)); a1 = madd(a1, qd, load8(k1 + d));
+                    a2 = madd(a2, qd, load8(k2 + d)); a3 = madd(a3, qd, load8(k3 + d));
+                }
+                s[j] = hsum(a0) * scale; s[j + 1] = hsum(a1) * scale; s[j + 2] = hsum(a2) * scale; s[j + 3] = hsum(a3) * scale;
+            }
+            for (; j < L; j++) {
+                v8 a0 = {0};
+                for (int64_t d = 0; d < D; d += 8) a0 = madd(a0, load8(q + d), load8(k + j * kv_sj + d));
+                s[j] = hsum(a0) * scale;
+            }
+            float mx = -INFINITY;
+            for (j = 0; j < L; j++) {
+                if (fm) s[j] += fm[j];
+                if (bm && !bm[j]) s[j] = -INFINITY;
+                if (s[j] > mx) mx = s[j];
+            }
+            for (j = L; j < L8; j++) s[j] = -INFINITY;
+            float *o = O + ((b * M + m) * H + h) * D;
+            if (mx == -INFINITY) {  /* a row that sees nothing (padding): zeros */
+                memset(o, 0, (size_t)D * sizeof(float));
+                continue;
+            }
+            const v8 mxv = {mx, mx, mx, mx, mx, mx, mx, mx};
+            for (j = 0; j < L8; j += 8) {  /* exp of every key alike */
+                v8 e = vexp(load8(s + j) - mxv);
+                memcpy(s + j, &e, sizeof e);
+            }
+            /* masked keys have weight exp(-inf) = 0 here, so adding them changes no sum: no branches below */
+            float sum = 0.0f;
+            for (j = 0; j < L; j++) sum += s[j];
+            const float inv = 1.0f / sum;
+            const v8 iv = {inv, inv, inv, inv, inv, inv, inv, inv};
+            int64_t d0 = 0;
+            for (; d0 + 64 <= D; d0 += 64) {  /* 64 output values at a time in registers */
+                v8 c0 = {0}, c1 = {0}, c2 = {0}, c3 = {0}, c4 = {0}, c5 = {0}, c6 = {0}, c7 = {0};
+                for (j = 0; j < L; j++) {
+                    const v8 pv = {s[j], s[j], s[j], s[j], s[j], s[j], s[j], s[j]};
+                    const float *vj = v + j * kv_sj + d0;
+                    c0 = madd(c0, pv, load8(vj)); c1 = madd(c1, pv, load8(vj + 8));
+                    c2 = madd(c2, pv, load8(vj + 16)); c3 = madd(c3, pv, load8(vj + 24));
+                    c4 = madd(c4, pv, load8(vj + 32)); c5 = madd(c5, pv, load8(vj + 40));
+                    c6 = madd(c6, pv, load8(vj + 48)); c7 = madd(c7, pv, load8(vj + 56));
+                }
+                v8 r[8] = {c0 * iv, c1 * iv, c2 * iv, c3 * iv, c4 * iv, c5 * iv, c6 * iv, c7 * iv};
+                memcpy(o + d0, r, sizeof r);
+            }
+            for (; d0 < D; d0 += 8) {
+                v8 c0 = {0};
+                for (j = 0; j < L; j++) {
+                    const v8 pv = {s[j], s[j], s[j], s[j], s[j], s[j], s[j], s[j]};
+                    c0 = madd(c0, pv, load8(v + j * kv_sj + d0));
+                }
+                c0 = c0 * iv;
+                memcpy(o + d0, &c0, sizeof c0);
+            }
+        }
+        free(s);
+    }
+}
+
+/* RMS norm of each row: Y[m] = W * (X[m] / sqrt(mean(X[m]^2) + eps)); the sum of squares in a fixed order. */
+void rms_norm(const float *X, const float *W, float *Y, int64_t M, int64_t n, float eps) {
+    for (int64_t m = 0; m < M; m++) {
+        const float *x = X + m * n;
+        v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+        for (int64_t i = 0; i < n; i += 32) {
+            v8 x0 = load8(x + i), x1 = load8(x + i + 8), x2 = load8(x + i + 16), x3 = load8(x + i + 24);
+            a0 = madd(a0, x0, x0); a1 = madd(a1, x1, x1); a2 = madd(a2, x2, x2); a3 = madd(a3, x3, x3);
+        }
+        const float inv = 1.0f / sqrtf(reduce(a0, a1, a2, a3) / (float)n + eps);
+        for (int64_t i = 0; i < n; i++) Y[m * n + i] = W[i] * (x[i] * inv);
     }
 }
 """
@@ -110,7 +278,7 @@ def _build(path: Path) -> None:
     with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
         src, lib = Path(tmp) / "rows_linear.c", Path(tmp) / "rows_linear.so"
         src.write_text(SOURCE)
-        subprocess.run([cc, *FLAGS, str(src), "-o", str(lib)], check=True, capture_output=True, timeout=120)
+        subprocess.run([cc, *FLAGS, str(src), "-o", str(lib), "-lm"], check=True, capture_output=True, timeout=120)
         os.replace(lib, path)
 
 
@@ -131,7 +299,12 @@ def library() -> ctypes.CDLL | None:
         return None
     vp, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.rows_linear.argtypes = [vp, vp, vp, vp, i64, i64, i64, ctypes.c_int]
-    lib.rows_linear.restype = None
+    lib.rows_gated.argtypes = [vp, vp, vp, vp, i64, i64, i64, ctypes.c_int]
+    lib.rms_norm.argtypes = [vp, vp, vp, i64, i64, ctypes.c_float]
+    lib.attend.argtypes = [vp, i64, i64, i64, vp, vp, i64, i64, i64, vp, ctypes.c_int, i64, i64,
+                           vp, i64, i64, i64, i64, i64, i64, ctypes.c_float, ctypes.c_int]
+    for fn in (lib.rows_linear, lib.rows_gated, lib.rms_norm, lib.attend):
+        fn.restype = None
     _lib = lib
     return _lib
 
@@ -154,3 +327,48 @@ def rows_linear(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     lib.rows_linear(weight.data_ptr(), x2.data_ptr(), None if bias is None else bias.contiguous().data_ptr(),
                     y.data_ptr(), weight.shape[0], weight.shape[1], x2.shape[0], torch.get_num_threads())
     return y
+
+
+def rows_gated(x2: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """`silu(x2 @ gate.T) * (x2 @ up.T)` for x2 [M, in], the first half of a gated MLP, in one pass over both
+    weights (the caller checked `supports` for both)."""
+    lib = library()
+    x2 = x2.contiguous()
+    y = x2.new_empty(x2.shape[0], gate.shape[0])
+    lib.rows_gated(gate.data_ptr(), up.data_ptr(), x2.data_ptr(), y.data_ptr(), gate.shape[0], gate.shape[1],
+                   x2.shape[0], torch.get_num_threads())
+    return y
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`weight * (x / sqrt(mean(x^2, -1) + eps))` over the last axis, whose size is a multiple of 32."""
+    lib = library()
+    x = x.contiguous()
+    y = torch.empty_like(x)
+    lib.rms_norm(x.data_ptr(), weight.contiguous().data_ptr(), y.data_ptr(), x.numel() // x.shape[-1], x.shape[-1],
+                 eps)
+    return y
+
+
+def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
+           scale: float) -> torch.Tensor:
+    """Scaled dot-product attention for a few query rows, grouped-query heads read in place.
+
+    query [B, H, M, D], key / value [B, H_kv, L, D] (any strides with D contiguous, key and value alike, D a multiple
+    of 8), mask None or [B or 1, 1, M, L], bool (True = attend) or additive float. Returns [B, M, H, D]
+    (transformers' attention functions' layout). A query row's result does not depend on the other rows."""
+    lib = library()
+    B, H, M, D = query.shape
+    L = key.shape[2]
+    kind, mask_sb, mask_sm, mptr = 0, 0, 0, None
+    if mask is not None:
+        mask = mask if mask.stride(-1) == 1 else mask.contiguous()
+        kind = 1 if mask.dtype == torch.bool else 2
+        mask_sb = mask.stride(0) if mask.shape[0] > 1 else 0
+        mask_sm, mptr = mask.stride(2), mask.data_ptr()
+    out = query.new_empty(B, M, H, D)
+    lib.attend(query.data_ptr(), query.stride(0), query.stride(1), query.stride(2),
+               key.data_ptr(), value.data_ptr(), key.stride(0), key.stride(1), key.stride(2),
+               mptr, kind, mask_sb, mask_sm, out.data_ptr(), B, H, H // key.shape[1], M, L, D, scale,
+               torch.get_num_threads())
+    return out

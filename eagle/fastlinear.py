@@ -14,6 +14,11 @@ runs one (the decoder does), else over all weights of each shape in a cold sweep
     ...
     disable_fast_linear(target.model)   # the stock forwards again
 
+With the kernel available, `enable_fast_linear` also routes RMS norms and gated (SiLU) MLPs through it, each
+only after checking on a random input that the kernel computes what the module's stock forward computes (so a
+norm that scales by `1 + weight`, or another activation, keeps its stock forward); an MLP uses the gated kernel at
+the row counts where the plan chose the kernel for its gate projection.
+
 The plan is cached per machine, thread count, torch version, set of shapes and available layouts under
 `$EAGLE_CACHE/fastlinear/`.
 Only inference is affected: with gradients enabled, on other devices and above `MAX_ROWS` rows the stock
@@ -201,6 +206,85 @@ def _fast_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return _apply(x, w, self.bias, self._fast_by_rows[rows])  # layouts checked to fit when patched
 
 
+def _stock_path(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether a patched module must run its stock forward for this input (training, other devices or dtypes,
+    more rows than the plan covers)."""
+    return (x.numel() // x.shape[-1] > MAX_ROWS or x.device.type != "cpu" or x.dtype != torch.float32
+            or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)))
+
+
+def _norm_kernel(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return cpukernel.rms_norm(x, self.weight, self._fast_eps)
+
+
+def _mlp_kernel(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    h = cpukernel.rows_gated(x.reshape(-1, x.shape[-1]), self.gate_proj.weight, self.up_proj.weight)
+    return self.down_proj(h.view(*x.shape[:-1], h.shape[-1]))
+
+
+def _fast_norm_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return type(self).forward(self, x) if _stock_path(x, self.weight) else _norm_kernel(self, x)
+
+
+def _fast_mlp_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    gate = self.gate_proj
+    if _stock_path(x, gate.weight) or gate._fast_by_rows[x.numel() // x.shape[-1]] != "kernel":
+        return type(self).forward(self, x)  # its linear layers still take their measured layouts
+    return _mlp_kernel(self, x)
+
+
+def _norm_eps(mod: nn.Module) -> float | None:
+    """The epsilon of an RMS norm module (transformers' `variance_epsilon` / `eps`), else None."""
+    if not type(mod).__name__.endswith("RMSNorm") or not isinstance(getattr(mod, "weight", None), torch.Tensor):
+        return None
+    eps = getattr(mod, "variance_epsilon", getattr(mod, "eps", None))
+    return float(eps) if isinstance(eps, float) else None
+
+
+def _is_gated_mlp(mod: nn.Module) -> bool:
+    """`down_proj(act_fn(gate_proj(x)) * up_proj(x))` with SiLU and bias-free linear layers (Llama, Qwen, Mistral,
+    our heads; `act_fn` may be missing, as in our heads, whose forward applies SiLU itself)."""
+    parts = [getattr(mod, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
+    if not all(isinstance(p, nn.Linear) and p.bias is None and cpukernel.supports(p.weight) for p in parts):
+        return False
+    act = getattr(mod, "act_fn", None)
+    t = torch.linspace(-6, 6, 97)
+    return act is None or (isinstance(act, nn.Module) and torch.allclose(act(t), F.silu(t), atol=1e-6))
+
+
+def _same_as_stock(mod: nn.Module, kernel, width: int) -> bool:
+    """Whether `kernel` computes what the module's stock forward computes, on a random input of a few rows: the
+    check that keeps a module whose forward differs from what its name and parts suggest (Gemma's `1 + weight`
+    norm, another activation) on its stock forward."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 3, width, generator=gen) * 2 + 0.5
+    with torch.no_grad():
+        want, got = type(mod).forward(mod, x), kernel(mod, x)
+    return got.shape == want.shape and torch.allclose(got, want, rtol=1e-4, atol=1e-4 * width ** 0.5)
+
+
+def _patch_modules(model: nn.Module) -> None:
+    """Route RMS norms and gated MLPs through the C kernel where it computes what their stock forward does."""
+    if not cpukernel.available():
+        return
+    for mod in model.modules():
+        params = list(mod.parameters())
+        if "_fast_module" in mod.__dict__ or not params or params[0].device.type != "cpu":
+            continue
+        eps = _norm_eps(mod)
+        if eps is not None and mod.weight.dim() == 1 and cpukernel.supports(mod.weight[None]):
+            mod._fast_eps = eps
+            fast, kernel, width = _fast_norm_forward, _norm_kernel, mod.weight.shape[0]
+        elif _is_gated_mlp(mod) and "kernel" in mod.gate_proj.__dict__.get("_fast_by_rows", ()):
+            fast, kernel, width = _fast_mlp_forward, _mlp_kernel, mod.gate_proj.weight.shape[1]
+        else:
+            continue
+        if _same_as_stock(mod, kernel, width):
+            mod.forward, mod._fast_module = types.MethodType(fast, mod), True
+        else:
+            mod.__dict__.pop("_fast_eps", None)
+
+
 def enable_fast_linear(model: nn.Module, plan: Plan | None = None, run: Callable[[int], float] | None = None) -> Plan:
     """Patch the forward of every `nn.Linear` in `model` (this instance only) to use the measured layouts (`plan`,
     else the cached or a fresh calibration, by whole passes when `run` is given; see `calibrate`).
@@ -211,11 +295,16 @@ def enable_fast_linear(model: nn.Module, plan: Plan | None = None, run: Callable
         mod._fast_by_rows = [_fitting(plan.layout(mod.weight, max(rows, 1)), mod.weight)
                              for rows in range(MAX_ROWS + 1)]
         mod.forward = types.MethodType(_fast_forward, mod)
+    _patch_modules(model)
     return plan
 
 
 def disable_fast_linear(model: nn.Module) -> None:
-    """Restore the stock forward of every patched `nn.Linear` in `model` (shared layers included)."""
+    """Restore the stock forward of every patched `nn.Linear`, norm and MLP in `model` (shared layers included)."""
+    for mod in model.modules():
+        if "_fast_module" in mod.__dict__:
+            del mod.forward, mod._fast_module
+            mod.__dict__.pop("_fast_eps", None)
     for mod in _linears(model):
         if "forward" in mod.__dict__:
             del mod.forward

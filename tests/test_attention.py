@@ -1,9 +1,13 @@
 """eagle.attention.gqa_sdpa: a tree-masked verification pass without copying the KV cache per query head."""
 
+import pytest
 import torch
+import torch.nn.functional as F
 from tiny import tiny_head, tiny_target
 
+from eagle import cpukernel
 from eagle.attention import IMPLEMENTATION, use_gqa_sdpa
+from eagle.fastlinear import BUCKETS, Plan, disable_fast_linear, enable_fast_linear
 from infer import SpeculativeDecoder, tree
 from infer.cache import TargetCache
 from infer.decoder import verify_mask
@@ -48,3 +52,45 @@ def test_speculative_greedy_equals_plain_greedy_with_gqa_sdpa():
     for mode in ({"num_speculative_tokens": 3}, {"mode": "dynamic", "top_k": 2, "depth": 3, "total_tokens": 6}):
         assert dec.generate(prompt, max_new_tokens=24, **mode).token_ids == plain
         assert target.model.config._attn_implementation == IMPLEMENTATION
+
+
+@pytest.mark.skipif(not cpukernel.available(), reason="the C kernel does not build here")
+def test_kernel_attention_matches_sdpa_and_each_row_alone():
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 5, 6, 16, generator=g).transpose(1, 2)  # [B, H, M, D] as the model makes it
+    k = torch.randn(2, 3, 32, 16, generator=g)[:, :, :21]        # a cache buffer's filled part
+    v = torch.randn(2, 3, 32, 16, generator=g)[:, :, :21]
+    keep = torch.rand(2, 1, 5, 21, generator=g) > 0.3
+    keep[..., 0] = True
+    want = F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), attn_mask=keep,
+                                          scale=0.25).transpose(1, 2)
+    additive = torch.zeros(2, 1, 5, 21).masked_fill(~keep, float("-inf"))
+    for mask in (keep, additive):
+        got = cpukernel.attend(q, k, v, mask, 0.25)
+        torch.testing.assert_close(got, want)
+        alone = torch.cat([cpukernel.attend(q[:, :, i:i + 1], k, v, mask[:, :, i:i + 1], 0.25) for i in range(5)], 1)
+        assert torch.equal(got, alone)
+
+
+@pytest.mark.skipif(not cpukernel.available(), reason="the C kernel does not build here")
+def test_fast_path_verification_pass_gives_each_token_the_bits_of_single_steps():
+    # kernel products, norms, MLPs and attention: a verification pass over M <= 8 tokens gives every token exactly
+    # the logits one-token steps give it, so speculative decoding on the fast path is lossless to the bit
+    target = tiny_target(dtype=torch.float32, hidden=64)
+    kernel = {f"{m.weight.shape[0]}x{m.weight.shape[1]}": {b: "kernel" for b in BUCKETS}
+              for m in target.model.modules() if isinstance(m, torch.nn.Linear)}
+    enable_fast_linear(target.model, Plan(layouts=kernel))
+    assert use_gqa_sdpa(target.model, True)
+    g = torch.Generator().manual_seed(3)
+    prefix, nodes = torch.randint(0, 96, (1, 13), generator=g), torch.randint(0, 96, (1, 6), generator=g)
+    with torch.no_grad():
+        chain = _verify_logits(target, prefix, nodes, torch.arange(6) - 1)
+        steps = []
+        cache = TargetCache()
+        target.features(prefix, position_ids=torch.arange(13)[None], cache=cache.hf)
+        for i in range(6):
+            feats = target.features(nodes[:, i:i + 1], position_ids=torch.tensor([[13 + i]]), cache=cache.hf)
+            steps.append(target.logits(feats[0]))
+    assert torch.equal(chain, torch.cat(steps))
+    disable_fast_linear(target.model)
+    use_gqa_sdpa(target.model, False)

@@ -81,3 +81,53 @@ def test_speculative_greedy_equals_plain_greedy_with_fast_linear_on_and_off():
     dec.generate(prompt, max_new_tokens=4, fast_linear=False)
     assert not fast_linear_enabled(target.model) and not fast_linear_enabled(dec.head)
     assert not any("forward" in m.__dict__ for m in target.model.modules())
+
+
+@pytest.mark.skipif(not cpukernel.available(), reason="the C kernel does not build here")
+def test_gated_and_norm_kernels_match_torch_and_give_each_row_the_same_bits():
+    g = torch.Generator().manual_seed(2)
+    gate, up, x = torch.randn(80, 64, generator=g), torch.randn(80, 64, generator=g), torch.randn(9, 64, generator=g)
+    want = F.silu(x @ gate.T) * (x @ up.T)
+    torch.testing.assert_close(cpukernel.rows_gated(x, gate, up), want, rtol=1e-4, atol=1e-4)
+    w = torch.randn(64, generator=g)
+    norm = w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5))
+    torch.testing.assert_close(cpukernel.rms_norm(x, w, 1e-5), norm)
+    for fn in (lambda rows: cpukernel.rows_gated(rows, gate, up), lambda rows: cpukernel.rms_norm(rows, w, 1e-5)):
+        alone = torch.cat([fn(x[i:i + 1]) for i in range(9)])
+        assert torch.equal(fn(x), alone)
+
+
+class _OnePlusNorm(nn.Module):
+    """Gemma's RMS norm scales by 1 + weight: the patch-time check must leave it on its stock forward."""
+
+    def __init__(self, dim):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(dim))
+        self.eps = 1e-6
+
+    def forward(self, x):
+        return (1 + self.weight) * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
+
+
+_OnePlusNorm.__name__ = "GemmaLikeRMSNorm"
+
+
+@pytest.mark.skipif(not cpukernel.available(), reason="the C kernel does not build here")
+def test_norms_and_gated_mlps_are_patched_only_where_the_kernel_matches_them():
+    model = tiny_target(dtype=torch.float32).model  # the kernel takes float32
+    model.add_module("odd_norm", _OnePlusNorm(model.config.hidden_size))
+    ids = torch.tensor([[5, 9, 14, 22, 7, 3]])
+    with torch.no_grad():
+        want = model(ids).logits
+        enable_fast_linear(model, Plan(layouts={}))  # every linear stock: the MLPs keep their stock forward
+        assert not any(getattr(m, "_fast_module", False) for m in model.modules() if hasattr(m, "gate_proj"))
+        disable_fast_linear(model)
+        enable_fast_linear(model, Plan(layouts={k: {b: "kernel" for b in BUCKETS} for k in
+                                                {f"{m.weight.shape[0]}x{m.weight.shape[1]}" for m in
+                                                 model.modules() if isinstance(m, nn.Linear)}}))
+        patched = {type(m).__name__ for m in model.modules() if m.__dict__.get("_fast_module")}
+        assert patched == {"LlamaRMSNorm", "LlamaMLP"} and "forward" not in model.odd_norm.__dict__
+        torch.testing.assert_close(model(ids).logits, want, rtol=1e-4, atol=1e-4)
+        disable_fast_linear(model)
+        assert not any("forward" in m.__dict__ for m in model.modules())
+        assert torch.equal(model(ids).logits, want)
