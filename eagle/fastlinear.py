@@ -285,6 +285,16 @@ def _patch_modules(model: nn.Module) -> None:
             mod.__dict__.pop("_fast_eps", None)
 
 
+def linear_as(mod: nn.Module, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`F.linear(x, weight)` in the layout the patched linear layer `mod` uses for this many rows (the stock
+    product when `mod` is not patched): for a product that is not a layer of its own, such as an EAGLE-1 head's
+    logits over the target's lm_head rows of its draft vocabulary."""
+    by_rows = mod.__dict__.get("_fast_by_rows")
+    if by_rows is None or _stock_path(x, weight):
+        return F.linear(x, weight)
+    return _apply(x, weight, None, _fitting(by_rows[x.numel() // x.shape[-1]], weight))
+
+
 def enable_fast_linear(model: nn.Module, plan: Plan | None = None, run: Callable[[int], float] | None = None) -> Plan:
     """Patch the forward of every `nn.Linear` in `model` (this instance only) to use the measured layouts (`plan`,
     else the cached or a fresh calibration, by whole passes when `run` is given; see `calibrate`).

@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from eagle.fastlinear import linear_as
+
 SHARED_PREFIXES = ("embed_tokens.", "lm_head.")
 
 
@@ -255,8 +257,9 @@ class EagleHead(nn.Module):
         return x
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Draft logits over the draft vocabulary (the full target vocabulary unless reduced)."""
-        out = F.linear(hidden, self.draft_lm_weight)
+        """Draft logits over the draft vocabulary (the full target vocabulary unless reduced), in the layout of the
+        target's lm_head when the fast path is on (eagle.fastlinear)."""
+        out = linear_as(self.lm_head, hidden, self.draft_lm_weight)
         if self.config.logit_softcap:
             out = torch.tanh(out / self.config.logit_softcap) * self.config.logit_softcap
         return out
