@@ -8,9 +8,9 @@ once per query head (SmolLM2: 30 layers x 2 x 3 copies of the cache on every pas
 With the C kernel available, up to `MAX_ROWS` float32 query rows on the CPU go to `eagle.cpukernel.attend`, which
 reads the grouped key/value heads in place and computes each query row alone, so that a verification pass gives a
 token the same bits as a one-token step. Otherwise `gqa_sdpa` keeps the key/value heads as they are and folds the
-query heads that share one into the query-length axis instead: [B, H, M, D] -> [B, H_kv, rep * M, D], with the mask rows repeated to match. Each query row then
-attends exactly as before. Anything else (no mask, one token, no GQA, softcapping, attention sinks, position bias)
-goes to transformers' own `sdpa` function unchanged.
+query heads that share one into the query-length axis instead: [B, H, M, D] -> [B, H_kv, rep * M, D], with the
+mask rows repeated to match. Each query row then attends exactly as before. Anything else (no mask, one token, no
+GQA, softcapping, attention sinks, position bias) goes to transformers' own `sdpa` function unchanged.
 
 It is registered with transformers' attention interface (the documented extension point) under
 `IMPLEMENTATION` and switched on per model instance, reversibly:

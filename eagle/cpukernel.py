@@ -179,7 +179,8 @@ void attend(const float *Q, int64_t q_sb, int64_t q_sh, int64_t q_sm,
                     a0 = madd(a0, qd, load8(k0 + d)); a1 = madd(a1, qd, load8(k1 + d));
                     a2 = madd(a2, qd, load8(k2 + d)); a3 = madd(a3, qd, load8(k3 + d));
                 }
-                s[j] = hsum(a0) * scale; s[j + 1] = hsum(a1) * scale; s[j + 2] = hsum(a2) * scale; s[j + 3] = hsum(a3) * scale;
+                s[j] = hsum(a0) * scale; s[j + 1] = hsum(a1) * scale;
+                s[j + 2] = hsum(a2) * scale; s[j + 3] = hsum(a3) * scale;
             }
             for (; j < L; j++) {
                 v8 a0 = {0};

@@ -268,8 +268,8 @@ def _patch_modules(model: nn.Module) -> None:
     if not cpukernel.available():
         return
     for mod in model.modules():
-        params = list(mod.parameters())
-        if "_fast_module" in mod.__dict__ or not params or params[0].device.type != "cpu":
+        first = next(mod.parameters(), None)
+        if "_fast_module" in mod.__dict__ or first is None or first.device.type != "cpu":
             continue
         eps = _norm_eps(mod)
         if eps is not None and mod.weight.dim() == 1 and cpukernel.supports(mod.weight[None]):
