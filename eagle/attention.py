@@ -48,7 +48,8 @@ def _kernel_fits(query, key, value, attention_mask, dropout, kwargs) -> bool:
     if attention_mask is None:
         return m == 1
     return (attention_mask.dim() == 4 and attention_mask.shape[1] == 1 and attention_mask.shape[2] == m
-            and attention_mask.shape[0] in (1, b) and attention_mask.shape[-1] >= key.shape[2])
+            and attention_mask.shape[0] in (1, b) and attention_mask.shape[-1] >= key.shape[2]
+            and attention_mask.dtype in (torch.bool, torch.float32))
 
 
 def gqa_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
