@@ -46,6 +46,7 @@ class PrepConfig:
     data: str                      # "sharegpt", a .json/.jsonl/.parquet file, or a hub dataset name
     out: str                       # output directory
     max_rows: int | None = None    # rows read from `data` (kept + dropped); None reads all
+    skip_rows: int = 0             # rows of `data` passed over first, e.g. the ones an earlier shard used
     regenerate: bool = False       # rewrite the assistant replies with the target's greedy replies
     max_new_tokens: int = 256      # per regenerated reply
     regen_batch_size: int = 32
@@ -74,12 +75,14 @@ class PrepSummary:
     trimmed: dict[str, int] = field(default_factory=dict)  # reason -> rows kept but shortened
     regenerated_replies: int = 0
     out: str = ""
+    rows_skipped: int = 0          # rows passed over before reading (skip_rows)
 
     def format(self) -> str:
         def reasons(d: dict[str, int]) -> str:
             return ", ".join(f"{k} {v:,}" for k, v in sorted(d.items(), key=lambda kv: -kv[1])) or "none"
 
-        lines = [
+        lines = [f"rows skipped {self.rows_skipped:,} (skip_rows)"] if self.rows_skipped else []
+        lines += [
             f"rows read {self.rows_read:,}: kept {self.kept:,}, dropped {sum(self.dropped.values()):,} "
             f"({reasons(self.dropped)})",
             f"trimmed rows: {reasons(self.trimmed)}",
@@ -143,7 +146,8 @@ def prepare(cfg: PrepConfig, target=None) -> PrepSummary:
     tok = target.tokenizer
     check_chat_template(tok)  # fail before reading any data
 
-    convs, src = load_conversations(cfg.data, cfg.max_rows, allow_no_assistant=cfg.regenerate)
+    convs, src = load_conversations(cfg.data, cfg.max_rows, allow_no_assistant=cfg.regenerate,
+                                    skip_rows=cfg.skip_rows)
     dropped, trimmed = Counter(src.dropped), Counter(src.trimmed)
     replies = 0
     ended = [None] * len(convs)
@@ -197,7 +201,8 @@ def prepare(cfg: PrepConfig, target=None) -> PrepSummary:
     tokens = sum(len(ex.input_ids) for ex in examples)
     masked = sum(sum(ex.loss_mask) for ex in examples)
     summary = PrepSummary(
-        rows_read=src.rows_read, kept=len(examples), dropped=dict(sorted(dropped.items())),
+        rows_read=src.rows_read, rows_skipped=src.rows_skipped, kept=len(examples),
+        dropped=dict(sorted(dropped.items())),
         train_rows=len(train_idx), val_rows=len(val_idx), tokens=tokens, assistant_tokens=masked,
         masked_fraction=masked / tokens, seconds=0.0, source_note=src.note,
         trimmed=dict(sorted(trimmed.items())),

@@ -16,6 +16,8 @@ alternating, starting with a user turn. Rows that cannot be used are dropped and
 substituted or repaired silently.
 
 `max_rows` bounds the number of rows *read* (kept + dropped), so `rows_read == max_rows` for a large source.
+`skip_rows` passes over the first rows unread (not counted), so `skip_rows=1400, max_rows=1000` prepares the next
+shard of a source whose first 1,400 rows an earlier run used.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ class SourceStats:
 
     source: str
     rows_read: int = 0
+    rows_skipped: int = 0    # rows passed over before reading (skip_rows)
     kept: int = 0
     dropped: dict[str, int] = field(default_factory=dict)   # reason -> rows dropped
     trimmed: dict[str, int] = field(default_factory=dict)   # reason -> rows kept but shortened
@@ -281,10 +284,11 @@ def _iter_parquet(path: Path, stats: SourceStats) -> Iterator[object]:
         raise DataError(f"{path}: cannot read as Parquet: {str(e).splitlines()[0]}") from None
 
 
-def _iter_hub(name: str, max_rows: int | None, stats: SourceStats) -> Iterator[object]:
+def _iter_hub(name: str, max_rows: int | None, skip_rows: int, stats: SourceStats) -> Iterator[object]:
     import datasets
 
-    split = "train" if max_rows is None else f"train[:{max_rows}]"
+    split = f"train[{skip_rows or ''}:{'' if max_rows is None else skip_rows + max_rows}]"
+    split = "train" if split == "train[:]" else split
     try:
         ds = datasets.load_dataset(name, split=split)
     except Exception as e:  # noqa: BLE001 - datasets raises many types (network, auth, format); all mean "cannot load"
@@ -301,11 +305,12 @@ def sharegpt_path() -> Path:
         raise DataError(f"data 'sharegpt': {e}") from None
 
 
-def _open_source(spec: str, max_rows: int | None, stats: SourceStats) -> tuple[str, Iterator[object]]:
-    """Decide what `spec` names and return (display name, raw row iterator)."""
+def _open_source(spec: str, max_rows: int | None, skip_rows: int,
+                 stats: SourceStats) -> tuple[str, Iterator[object], bool]:
+    """Decide what `spec` names and return (display name, raw row iterator, whether it skipped `skip_rows`)."""
     if spec == "sharegpt":
         path = sharegpt_path()
-        return str(path), _iter_json(path, stats)
+        return str(path), _iter_json(path, stats), False
     path = Path(spec).expanduser()
     suffix = path.suffix.lower()
     looks_local = suffix in (".json", ".jsonl", ".parquet") or spec.startswith(("/", ".", "~"))
@@ -317,21 +322,28 @@ def _open_source(spec: str, max_rows: int | None, stats: SourceStats) -> tuple[s
         readers = {".json": _iter_json, ".jsonl": _iter_jsonl, ".parquet": _iter_parquet}
         if suffix not in readers:
             raise DataError(f"data file {spec!r}: unknown file type {suffix!r} (use .json, .jsonl or .parquet)")
-        return str(path), readers[suffix](path, stats)
-    return spec, _iter_hub(spec, max_rows, stats)
+        return str(path), readers[suffix](path, stats), False
+    return spec, _iter_hub(spec, max_rows, skip_rows, stats), True
 
 
-def load_conversations(spec: str, max_rows: int | None = None,
-                       allow_no_assistant: bool = False) -> tuple[list[list[dict]], SourceStats]:
-    """Read and normalize the conversations of `spec` (see module docstring); at most `max_rows` rows are read."""
+def load_conversations(spec: str, max_rows: int | None = None, allow_no_assistant: bool = False,
+                       skip_rows: int = 0) -> tuple[list[list[dict]], SourceStats]:
+    """Read and normalize the conversations of `spec` (see module docstring); the first `skip_rows` rows are passed
+    over, then at most `max_rows` rows are read."""
+    if skip_rows < 0:
+        raise DataError(f"skip_rows must be >= 0, got {skip_rows}")
     stats = SourceStats(source=spec)
-    name, rows = _open_source(spec, max_rows, stats)
+    name, rows, skipped = _open_source(spec, max_rows, skip_rows, stats)
     stats.source = name
+    stats.rows_skipped = skip_rows if skipped else 0
     dropped, trimmed = Counter(), Counter()
     convs = []
     first_keys = None
     try:
         for row in rows:
+            if stats.rows_skipped < skip_rows:
+                stats.rows_skipped += 1
+                continue
             if max_rows is not None and stats.rows_read >= max_rows:
                 break
             stats.rows_read += 1
@@ -360,7 +372,7 @@ def load_conversations(spec: str, max_rows: int | None = None,
     stats.dropped = dict(sorted(dropped.items()))
     stats.trimmed = dict(sorted(trimmed.items()))
     if stats.rows_read == 0:
-        raise DataError(f"{name}: holds no rows")
+        raise DataError(f"{name}: holds no rows" + (f" after the {stats.rows_skipped:,} skipped" if skip_rows else ""))
     if dropped["unknown_format"] == stats.rows_read:
         raise DataError(f"{name}: no row has 'conversations', 'messages' or 'turns' "
                         f"(first row keys: {', '.join(map(str, first_keys or [])) or 'none'})")

@@ -518,3 +518,22 @@ def test_regenerate_with_smollm2(smollm2):
         assert [m["role"] for m in c] == ["user", "assistant"] and c[1]["content"] not in ("", "old")
         assert "<|im_end|>" not in c[1]["content"]
     print([c[1]["content"] for c in res.conversations])
+
+
+def test_skip_rows_reads_the_next_shard(tmp_path, monkeypatch):
+    path = tmp_path / "rows.jsonl"
+    rows = [{"messages": [{"role": "user", "content": f"Q{i}"}, {"role": "assistant", "content": f"A{i}"}]}
+            for i in range(6)]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    convs, stats = load_conversations(str(path), max_rows=3, skip_rows=2)
+    assert [c[0]["content"] for c in convs] == ["Q2", "Q3", "Q4"]
+    assert stats.rows_read == 3 and stats.rows_skipped == 2
+    with pytest.raises(DataError, match="holds no rows after the 6 skipped"):
+        load_conversations(str(path), skip_rows=6)
+    # a hub dataset gets the same rows as a slice of its split
+    import datasets
+
+    seen = {}
+    monkeypatch.setattr(datasets, "load_dataset", lambda name, split: seen.setdefault("split", split) and rows[2:5])
+    convs, stats = load_conversations("org/chats", max_rows=3, skip_rows=2)
+    assert seen["split"] == "train[2:5]" and len(convs) == 3 and stats.rows_skipped == 2
