@@ -55,11 +55,10 @@ static inline v8 madd(v8 a, v8 w, v8 x) { return (v8)_mm256_fmadd_ps((__m256)w, 
 static inline v8 madd(v8 a, v8 w, v8 x) { return a + w * x; }
 #endif
 
+static inline float hsum(v8 a) { return ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7])); }
+
 /* Lane l of accumulator j summed the products i = 32 t + 8 j + l in order; the lanes are added in a fixed order. */
-static inline float reduce(v8 a0, v8 a1, v8 a2, v8 a3) {
-    v8 s = (a0 + a1) + (a2 + a3);
-    return ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
-}
+static inline float reduce(v8 a0, v8 a1, v8 a2, v8 a3) { return hsum((a0 + a1) + (a2 + a3)); }
 
 /* acc[m] = sum_i w[i] X[m, i] for m < M (at most CHUNK), each summed in the same order whatever M; the weight
    row w is read from memory once and reused from L1 for every pair of input rows. in_f % 32 == 0. */
@@ -146,8 +145,6 @@ static inline v8 vexp(v8 x) {
 #else
 static inline v8 vexp(v8 x) { v8 y; for (int l = 0; l < 8; l++) y[l] = x[l] < -87.0f ? 0.0f : expf(x[l]); return y; }
 #endif
-
-static inline float hsum(v8 a) { return ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7])); }
 
 /* Attention of M query rows over L keys, one task per (batch b, query head h, row m), head h reading key/value
    head h / rep: O[b, m, h] = sum_j softmax_j(scale Q[b, h, m] . K[b, h / rep, j] + mask[b, m, j]) V[b, h / rep, j].
