@@ -77,6 +77,21 @@ def test_resume_continues_exactly(tmp_path, target, monkeypatch):
         torch.testing.assert_close(a[k], b[k])
 
 
+def test_all_positions_scores_the_prompt_too(tmp_path, target):
+    """loss.positions=all scores every position of a row (28 of a 30-token row: predictions start two tokens in),
+    assistant scores the 24 whose next token is the reply's."""
+    write_prepared(tmp_path / "data", target)
+    scored = {}
+    for positions in ("assistant", "all"):
+        train(config(tmp_path, "budget.max_steps=1", f"loss.positions={positions}", f"run_dir={tmp_path / positions}"),
+              target=target)
+        log = [json.loads(l) for l in (tmp_path / positions / "log.jsonl").read_text().splitlines()]
+        scored[positions] = next(r["tokens"] for r in log if "tokens" in r)
+    assert scored["assistant"] % 24 == 0 and scored["all"] == scored["assistant"] // 24 * 28
+    with pytest.raises(TrainError, match="loss.positions 'some': expected assistant or all"):
+        train(config(tmp_path, "budget.max_steps=1", "loss.positions=some"), target=target)
+
+
 def test_missing_data_and_missing_budget_are_one_line_errors(tmp_path, target):
     with pytest.raises(TrainError, match="set a budget"):
         train(config(tmp_path), target=target)

@@ -55,6 +55,11 @@ class LossConfig:
     # features before them as when drafting (EAGLE-3's training-time test). Step s is weighted step_decay^(s-1).
     steps: int = 1
     step_decay: float = 0.8
+    # Which positions are scored: "assistant" (the next token is an assistant token, i.e. the target's own text when
+    # the rows were regenerated) or "all" (prompt and template positions too: the label is the target's p there as
+    # well, so they are more examples of the same mapping from features to the next feature and distribution).
+    # Validation always scores assistant positions.
+    positions: str = "assistant"
 
 
 @dataclass

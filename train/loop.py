@@ -69,16 +69,17 @@ def make_batches(lengths: list[int], batch_tokens: int, gen: torch.Generator) ->
     return [batches[p] for p in perm]
 
 
-def collate(rows, feats, idx: list[int], target: TargetModel | None = None, layers: list[int] | None = None):
+def collate(rows, feats, idx: list[int], target: TargetModel | None = None, layers: list[int] | None = None,
+            all_positions: bool = False):
     """Right-padded (ids, loss mask, features) of the rows `idx`; without cached `feats` the target computes the
-    features now (online training)."""
+    features now (online training). With `all_positions` the mask is every real (unpadded) position."""
     T = max(rows[i][0].shape[0] for i in idx)
     B = len(idx)
     ids = torch.zeros(B, T, dtype=torch.long)
     mask = torch.zeros(B, T, dtype=torch.bool)
     for b, i in enumerate(idx):
         n = rows[i][0].shape[0]
-        ids[b, :n], mask[b, :n] = rows[i][0], rows[i][1]
+        ids[b, :n], mask[b, :n] = rows[i][0], True if all_positions else rows[i][1]
     if feats is None:
         return ids, mask, batch_features(target, ids, layers)
     f = torch.zeros(B, T, feats[idx[0]].shape[-1], dtype=feats[idx[0]].dtype)
@@ -276,6 +277,8 @@ def train(cfg: TrainConfig, target: TargetModel | None = None) -> dict:
 
     if cfg.model.head_type not in ("eagle1", "eagle3"):
         raise TrainError(f"model.head_type {cfg.model.head_type!r}: expected eagle1 or eagle3")
+    if cfg.loss.positions not in ("assistant", "all"):
+        raise TrainError(f"loss.positions {cfg.loss.positions!r}: expected assistant or all")
     if not (cfg.budget.max_steps or cfg.budget.minutes or cfg.budget.epochs):
         raise TrainError("set a budget: budget.max_steps, budget.minutes or budget.epochs")
     if cfg.num_threads:
@@ -380,7 +383,7 @@ def train(cfg: TrainConfig, target: TargetModel | None = None) -> dict:
                                torch.Generator().manual_seed(cfg.seed * 7919 + state["epoch"]))
         for b in range(state["batch_in_epoch"], len(batches)):
             t0 = time.perf_counter()
-            ids, mask, f = collate(rows, feats, batches[b], target, layers)
+            ids, mask, f = collate(rows, feats, batches[b], target, layers, cfg.loss.positions == "all")
             for g in opt.param_groups:
                 g["lr"] = lr_at()
             gen.manual_seed(cfg.seed * 1_000_003 + state["step"])  # noise depends on the step only: exact resume
