@@ -5,7 +5,7 @@
 Forward hooks time every decoder layer's parts (the four attention projections, the rest of the attention module:
 rotary embedding, cache update and the attention itself; the MLP; the two norms), the final norm, the embedding
 and the lm_head; "other" is the pass minus all of them (the model's own glue: masks, position embeddings, Python).
-Fast path on (eagle.fastlinear and eagle.attention, as in benchmarks/speed.py's pass-cost curve). Passes with different M are
+Fast path on, with the layouts decoding uses (`SpeculativeDecoder.use_fast_path`). Passes with different M are
 interleaved; the table shows the median ms per pass over --repeats rounds.
 """
 
@@ -19,8 +19,6 @@ from collections import defaultdict
 import torch
 
 from eagle import load_target
-from eagle.attention import use_gqa_sdpa
-from eagle.fastlinear import enable_fast_linear
 from infer import SpeculativeDecoder
 from infer.cache import TargetCache
 
@@ -52,9 +50,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=9)
     args = ap.parse_args()
     target = load_target(args.target)
-    SpeculativeDecoder(target, None).generate([1, 2, 3], 2, speculative=False)  # calibrates the layouts once, as speed.py does
-    enable_fast_linear(target.model)
-    use_gqa_sdpa(target.model, True)
+    SpeculativeDecoder(target, None).use_fast_path(True)  # the layouts decoding uses (calibrated once per machine)
 
     spent: dict[str, float] = defaultdict(float)
     started: dict[str, float] = {}

@@ -27,8 +27,6 @@ import torch
 
 from chain import hf_generate  # benchmarks/chain.py: transformers' generate with the stock layers
 from eagle import load_target
-from eagle.attention import use_gqa_sdpa
-from eagle.fastlinear import disable_fast_linear, enable_fast_linear
 from infer import SpeculativeDecoder
 from infer.cache import TargetCache
 from infer.evaluate import load_prompts
@@ -45,10 +43,12 @@ def bandwidth_gb_s() -> float:
 
 
 @torch.inference_mode()
-def pass_ms(target, context: int, rows_list: list[int], repeats: int, fast: bool) -> dict[int, float]:
-    """Median ms of one target pass (features + logits of every row) over `rows` new tokens after `context`."""
-    (enable_fast_linear if fast else disable_fast_linear)(target.model)
-    use_gqa_sdpa(target.model, fast)
+def pass_ms(dec: SpeculativeDecoder, context: int, rows_list: list[int], repeats: int,
+            fast: bool) -> dict[int, float]:
+    """Median ms of one target pass (features + logits of every row) over `rows` new tokens after `context`, with
+    the layouts decoding uses (fast) or the stock layers."""
+    target = dec.target
+    dec.use_fast_path(fast)
     cache = TargetCache()
     g = torch.Generator().manual_seed(0)
     ctx = torch.randint(100, 20000, (1, context), generator=g)
@@ -94,7 +94,7 @@ def main() -> None:
     curves = {"stock": {r: [] for r in rows}, "fast": {r: [] for r in rows}}
     for _ in range(3):  # interleave the two so drift hits both
         for name in curves:
-            for r, ms in pass_ms(target, args.context, rows, args.repeats, name == "fast").items():
+            for r, ms in pass_ms(dec, args.context, rows, args.repeats, name == "fast").items():
                 curves[name][r].append(ms)
     curve = {name: {r: statistics.median(v) for r, v in c.items()} for name, c in curves.items()}
     print("| new tokens M | stock ms | fast ms | fast / fast(M=1) |")
@@ -106,7 +106,7 @@ def main() -> None:
     scaling = {}
     for n in sorted({1, threads}):
         torch.set_num_threads(n)
-        scaling[n] = pass_ms(target, args.context, [1, 8], args.repeats, True)
+        scaling[n] = pass_ms(dec, args.context, [1, 8], args.repeats, True)
     torch.set_num_threads(threads)
     print("threads:", json.dumps(scaling))
 

@@ -118,9 +118,10 @@ class SpeculativeDecoder:
         self._head_layers = (list(head.config.feature_layer_ids)
                              if head is not None and head.config.head_type == "eagle3" else None)
 
-    def _use_fast_linear(self, on: bool) -> None:
+    def use_fast_path(self, on: bool) -> None:
         """Patch (or restore) the linear layers of the target and the head in place; the first call on a machine
-        calibrates for a few seconds (eagle.fastlinear). The target's `sdpa` attention becomes `gqa_sdpa`
+        calibrates for a few seconds (eagle.fastlinear). `generate` and `stream` call it with the config's
+        `fast_linear`; call it yourself to time the target's passes the way decoding runs them. The target's `sdpa` attention becomes `gqa_sdpa`
         (eagle.attention: tree-masked passes without copying the KV cache per query head)."""
         use_gqa_sdpa(self.target.model, on)
         for model in (self.target.model, self.head):
@@ -186,7 +187,7 @@ class SpeculativeDecoder:
             cfg.max_new_tokens = max_new_tokens
         if speculative and self.proposer is None:
             raise ValueError("speculative decoding needs a draft head; pass draft=... or speculative=False")
-        self._use_fast_linear(cfg.fast_linear)
+        self.use_fast_path(cfg.fast_linear)
         prompt_ids = self.encode(prompt)
         if not prompt_ids:
             raise ValueError("prompt is empty")
