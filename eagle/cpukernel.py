@@ -62,7 +62,11 @@ static inline float reduce(v8 a0, v8 a1, v8 a2, v8 a3) { return hsum((a0 + a1) +
 
 /* keeps a loaded vector in a register: without it the compiler folds the load into every FMA that uses it, and a
    weight vector used for two rows is loaded twice */
+#ifdef __AVX__
 #define IN_REG(v) __asm__("" : "+x"(v))
+#else
+#define IN_REG(v) ((void)0)
+#endif
 
 /* three input rows against one weight row, twelve accumulators: each weight vector is loaded once for three FMAs
    (16 loads per 12 FMAs, against 12 per 8 in the two-row loop below). The sums are the two-row loop's, bit for
