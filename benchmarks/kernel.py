@@ -29,7 +29,7 @@ SHAPES = ("576x576", "192x576", "1536x576", "576x1536", "49152x576")
 
 
 def kernel_at(rev: str) -> ctypes.CDLL:
-    """The product kernel of a copy of eagle/cpukernel.py (a path), or as it was at git revision `rev`, compiled
+    """The kernel library of a copy of eagle/cpukernel.py (a path), or as it was at git revision `rev`, compiled
     into a temporary directory."""
     if Path(rev).is_file():
         text = Path(rev).read_text()
@@ -37,14 +37,9 @@ def kernel_at(rev: str) -> ctypes.CDLL:
         text = subprocess.run(["git", "show", f"{rev}:eagle/cpukernel.py"], check=True, capture_output=True,
                               text=True, cwd=Path(__file__).resolve().parent.parent).stdout
     source = text.split('SOURCE = r"""', 1)[1].split('"""', 1)[0]
-    tmp = Path(tempfile.mkdtemp())
-    (tmp / "k.c").write_text(source)
-    subprocess.run(["cc", *cpukernel.FLAGS, str(tmp / "k.c"), "-o", str(tmp / "k.so"), "-lm"], check=True)
-    lib = ctypes.CDLL(str(tmp / "k.so"))
-    vp, i64 = ctypes.c_void_p, ctypes.c_int64
-    lib.rows_linear.argtypes = [vp, vp, vp, vp, i64, i64, i64, ctypes.c_int]
-    lib.rows_linear.restype = None
-    return lib
+    path = Path(tempfile.mkdtemp()) / "k.so"
+    cpukernel.build(path, source)
+    return cpukernel.load(path)
 
 
 def call(lib: ctypes.CDLL, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

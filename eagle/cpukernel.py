@@ -77,14 +77,11 @@ static __attribute__((noinline)) void three_rows(const float *w, const float *X,
     v8 c0 = {0}, c1 = {0}, c2 = {0}, c3 = {0};
     for (int64_t i = 0; i < in_f; i += 32) {
         __builtin_prefetch(w + i + 512, 0, 3); __builtin_prefetch(w + i + 528, 0, 3);
-        v8 u = load8(w + i); IN_REG(u);
-        a0 = madd(a0, u, load8(x0 + i)); b0 = madd(b0, u, load8(x1 + i)); c0 = madd(c0, u, load8(x2 + i));
-        u = load8(w + i + 8); IN_REG(u);
-        a1 = madd(a1, u, load8(x0 + i + 8)); b1 = madd(b1, u, load8(x1 + i + 8)); c1 = madd(c1, u, load8(x2 + i + 8));
-        u = load8(w + i + 16); IN_REG(u);
-        a2 = madd(a2, u, load8(x0 + i + 16)); b2 = madd(b2, u, load8(x1 + i + 16)); c2 = madd(c2, u, load8(x2 + i + 16));
-        u = load8(w + i + 24); IN_REG(u);
-        a3 = madd(a3, u, load8(x0 + i + 24)); b3 = madd(b3, u, load8(x1 + i + 24)); c3 = madd(c3, u, load8(x2 + i + 24));
+        /* accumulator j of each row takes the products i + 8 j .. i + 8 j + 7 */
+#define THREE(j, a, b, c) { v8 u = load8(w + i + 8 * j); IN_REG(u); a = madd(a, u, load8(x0 + i + 8 * j)); \
+                            b = madd(b, u, load8(x1 + i + 8 * j)); c = madd(c, u, load8(x2 + i + 8 * j)); }
+        THREE(0, a0, b0, c0) THREE(1, a1, b1, c1) THREE(2, a2, b2, c2) THREE(3, a3, b3, c3)
+#undef THREE
     }
     acc[0] = reduce(a0, a1, a2, a3); acc[1] = reduce(b0, b1, b2, b3); acc[2] = reduce(c0, c1, c2, c3);
 }
@@ -303,17 +300,32 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
-def _build(path: Path) -> None:
-    """Compile SOURCE into `path`, whole or not at all (a temporary directory, then a rename)."""
+def build(path: Path, source: str = SOURCE) -> None:
+    """Compile `source` (this module's SOURCE, or another version of it) into `path`, whole or not at all (a
+    temporary directory, then a rename)."""
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         raise OSError("no C compiler (cc / gcc) on PATH")
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
         src, lib = Path(tmp) / "rows_linear.c", Path(tmp) / "rows_linear.so"
-        src.write_text(SOURCE)
+        src.write_text(source)
         subprocess.run([cc, *FLAGS, str(src), "-o", str(lib), "-lm"], check=True, capture_output=True, timeout=120)
         os.replace(lib, path)
+
+
+def load(path: Path) -> ctypes.CDLL:
+    """A compiled kernel library with the argument types of its functions declared."""
+    lib = ctypes.CDLL(str(path))
+    vp, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.rows_linear.argtypes = [vp, vp, vp, vp, i64, i64, i64, ctypes.c_int]
+    lib.rows_gated.argtypes = [vp, vp, vp, vp, i64, i64, i64, ctypes.c_int]
+    lib.rms_norm.argtypes = [vp, vp, vp, i64, i64, ctypes.c_float]
+    lib.attend.argtypes = [vp, i64, i64, i64, vp, vp, i64, i64, i64, vp, ctypes.c_int, i64, i64,
+                           vp, i64, i64, i64, i64, i64, i64, ctypes.c_float, ctypes.c_int]
+    for fn in (lib.rows_linear, lib.rows_gated, lib.rms_norm, lib.attend):
+        fn.restype = None
+    return lib
 
 
 def library() -> ctypes.CDLL | None:
@@ -327,19 +339,10 @@ def library() -> ctypes.CDLL | None:
     path = _library_path()
     try:
         if not path.exists():
-            _build(path)
-        lib = ctypes.CDLL(str(path))
-    except (OSError, subprocess.SubprocessError):
+            build(path)
+        _lib = load(path)
+    except (OSError, subprocess.SubprocessError, AttributeError):  # AttributeError: a library without a function
         return None
-    vp, i64 = ctypes.c_void_p, ctypes.c_int64
-    lib.rows_linear.argtypes = [vp, vp, vp, vp, i64, i64, i64, ctypes.c_int]
-    lib.rows_gated.argtypes = [vp, vp, vp, vp, i64, i64, i64, ctypes.c_int]
-    lib.rms_norm.argtypes = [vp, vp, vp, i64, i64, ctypes.c_float]
-    lib.attend.argtypes = [vp, i64, i64, i64, vp, vp, i64, i64, i64, vp, ctypes.c_int, i64, i64,
-                           vp, i64, i64, i64, i64, i64, i64, ctypes.c_float, ctypes.c_int]
-    for fn in (lib.rows_linear, lib.rows_gated, lib.rms_norm, lib.attend):
-        fn.restype = None
-    _lib = lib
     return _lib
 
 

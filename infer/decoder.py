@@ -120,9 +120,9 @@ class SpeculativeDecoder:
 
     def use_fast_path(self, on: bool) -> None:
         """Patch (or restore) the linear layers of the target and the head in place; the first call on a machine
-        calibrates for a few seconds (eagle.fastlinear). `generate` and `stream` call it with the config's
-        `fast_linear`; call it yourself to time the target's passes the way decoding runs them. The target's `sdpa` attention becomes `gqa_sdpa`
-        (eagle.attention: tree-masked passes without copying the KV cache per query head)."""
+        calibrates for a few seconds (eagle.fastlinear). The target's `sdpa` attention becomes `gqa_sdpa`
+        (eagle.attention: tree-masked passes without copying the KV cache per query head). `generate` and `stream`
+        call it with the config's `fast_linear`; call it yourself to time the target's passes as decoding runs them."""
         use_gqa_sdpa(self.target.model, on)
         for model in (self.target.model, self.head):
             if model is None:
