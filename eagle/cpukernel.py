@@ -264,6 +264,24 @@ void attend(const float *Q, int64_t q_sb, int64_t q_sh, int64_t q_sm,
     }
 }
 
+/* Rotary position embedding in place, as transformers' `q * cos + rotate_half(q) * sin` computes it (two
+   products and a sum, each rounded; rotate_half(x) = cat(-x[D/2:], x[:D/2])): X is [B, M, H, D] contiguous, cos and
+   sin are [B or 1, M, D] with batch stride cs_b (0 when shared) and rows contiguous. */
+void rope(float *X, const float *cos, const float *sin, int64_t B, int64_t M, int64_t H, int64_t D, int64_t cs_b) {
+    const int64_t half = D / 2;
+    float t[1024];
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t m = 0; m < M; m++) {
+            const float *c = cos + b * cs_b + m * D, *s = sin + b * cs_b + m * D;
+            for (int64_t h = 0; h < H; h++) {
+                float *x = X + ((b * M + m) * H + h) * D;
+                for (int64_t d = 0; d < D; d++) t[d] = x[d];
+                for (int64_t d = 0; d < half; d++) x[d] = t[d] * c[d] + (-t[d + half]) * s[d];
+                for (int64_t d = half; d < D; d++) x[d] = t[d] * c[d] + t[d - half] * s[d];
+            }
+        }
+}
+
 /* RMS norm of each row: Y[m] = W * (X[m] / sqrt(mean(X[m]^2) + eps)); the sum of squares in a fixed order. */
 void rms_norm(const float *X, const float *W, float *Y, int64_t M, int64_t n, float eps) {
     for (int64_t m = 0; m < M; m++) {
@@ -321,9 +339,10 @@ def load(path: Path) -> ctypes.CDLL:
     lib.rows_linear.argtypes = [vp, vp, vp, vp, i64, i64, i64, ctypes.c_int]
     lib.rows_gated.argtypes = [vp, vp, vp, vp, i64, i64, i64, ctypes.c_int]
     lib.rms_norm.argtypes = [vp, vp, vp, i64, i64, ctypes.c_float]
+    lib.rope.argtypes = [vp, vp, vp, i64, i64, i64, i64, i64]
     lib.attend.argtypes = [vp, i64, i64, i64, vp, vp, i64, i64, i64, vp, ctypes.c_int, i64, i64,
                            vp, i64, i64, i64, i64, i64, i64, ctypes.c_float, ctypes.c_int]
-    for fn in (lib.rows_linear, lib.rows_gated, lib.rms_norm, lib.attend):
+    for fn in (lib.rows_linear, lib.rows_gated, lib.rms_norm, lib.rope, lib.attend):
         fn.restype = None
     return lib
 
@@ -356,25 +375,40 @@ def supports(weight: torch.Tensor) -> bool:
             and weight.dim() == 2 and weight.shape[1] % BLOCK == 0)
 
 
-def rows_linear(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """`F.linear(x2, weight, bias)` for x2 [M, in] through the kernel (the caller checked `supports(weight)`)."""
-    lib = library()
-    x2 = x2.contiguous()
-    y = x2.new_empty(x2.shape[0], weight.shape[0])
-    lib.rows_linear(weight.data_ptr(), x2.data_ptr(), None if bias is None else bias.contiguous().data_ptr(),
-                    y.data_ptr(), weight.shape[0], weight.shape[1], x2.shape[0], torch.get_num_threads())
+def rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` for a few rows x [..., in] through the kernel (the caller checked
+    `supports(weight)` and that x is float32). Lean on purpose: a decoding step makes ~150 of these calls, and on
+    this machine each torch or Python operation around the C call costs about as much as a small product."""
+    if not x.is_contiguous():
+        x = x.contiguous()
+    out_f, in_f = weight.shape
+    y = x.new_empty(*x.shape[:-1], out_f)
+    b = None if bias is None else bias.contiguous().data_ptr()
+    (_lib or library()).rows_linear(weight.data_ptr(), x.data_ptr(), b, y.data_ptr(), out_f, in_f, x.numel() // in_f,
+                                    torch.get_num_threads())
     return y
 
 
-def rows_gated(x2: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """`silu(x2 @ gate.T) * (x2 @ up.T)` for x2 [M, in], the first half of a gated MLP, in one pass over both
-    weights (the caller checked `supports` for both)."""
-    lib = library()
-    x2 = x2.contiguous()
-    y = x2.new_empty(x2.shape[0], gate.shape[0])
-    lib.rows_gated(gate.data_ptr(), up.data_ptr(), x2.data_ptr(), y.data_ptr(), gate.shape[0], gate.shape[1],
-                   x2.shape[0], torch.get_num_threads())
+def rows_gated(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """`silu(x @ gate.T) * (x @ up.T)` for a few rows x [..., in], the first half of a gated MLP, in one pass over
+    both weights (the caller checked `supports` for both and that x is float32)."""
+    if not x.is_contiguous():
+        x = x.contiguous()
+    out_f, in_f = gate.shape
+    y = x.new_empty(*x.shape[:-1], out_f)
+    (_lib or library()).rows_gated(gate.data_ptr(), up.data_ptr(), x.data_ptr(), y.data_ptr(), out_f, in_f,
+                                   x.numel() // in_f, torch.get_num_threads())
     return y
+
+
+def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """transformers' rotary embedding `x * cos + rotate_half(x) * sin`, bit for bit, in place on x [B, M, H *
+    head_dim] (contiguous float32, head_dim even and at most 1024) with cos / sin [B or 1, M, head_dim]; returns x."""
+    if not (cos.is_contiguous() and sin.is_contiguous()):
+        cos, sin = cos.contiguous(), sin.contiguous()
+    (_lib or library()).rope(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), x.shape[0], x.shape[1],
+                             x.shape[-1] // head_dim, head_dim, cos.stride(0) if cos.shape[0] > 1 else 0)
+    return x
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -17,7 +17,10 @@ runs one (the decoder does), else over all weights of each shape in a cold sweep
 With the kernel available, `enable_fast_linear` also routes RMS norms and gated (SiLU) MLPs through it, each
 only after checking on a random input that the kernel computes what the module's stock forward computes (so a
 norm that scales by `1 + weight`, or another activation, keeps its stock forward); an MLP uses the gated kernel at
-the row counts where the plan chose the kernel for its gate projection.
+the row counts where the plan chose the kernel for its gate projection. Llama-style attention modules (q / k / v /
+o projections and nothing else) get a forward that does the same steps with far fewer torch operations (the
+rotary embedding in one C call, the products called directly): on this machine a step's Python and torch
+overhead around the C calls was ~10 ms of ~60 (BENCHMARKS.md).
 
 The plan is cached per machine, thread count, torch version, set of shapes and available layouts under
 `$EAGLE_CACHE/fastlinear/`.
@@ -41,6 +44,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from transformers import DynamicCache
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from eagle import cpukernel
 from eagle.target import cache_root
@@ -75,11 +81,11 @@ def _fitting(layout: str, weight: torch.Tensor) -> str:
 
 
 def _apply(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, layout: str) -> torch.Tensor:
-    if layout == "linear":
-        return F.linear(x, weight, bias)
-    x2 = x.reshape(-1, x.shape[-1])
-    y = cpukernel.rows_linear(x2, weight, bias) if layout == "kernel" else _wxt(x2, weight, bias)
-    return y.view(*x.shape[:-1], weight.shape[0])
+    if layout == "kernel" and x.dtype == torch.float32:
+        return cpukernel.rows_linear(x, weight, bias)
+    if layout == "wxt":
+        return _wxt(x.reshape(-1, x.shape[-1]), weight, bias).view(*x.shape[:-1], weight.shape[0])
+    return F.linear(x, weight, bias)
 
 
 @dataclass
@@ -198,10 +204,14 @@ def load_or_calibrate(model: nn.Module, run: Callable[[int], float] | None = Non
     return plan
 
 
+# The patched forwards below run ~200 times a decoding step, where every torch or Python operation costs a few
+# microseconds on this machine, so they check cheap attributes (`is_cpu`, not `device.type`) and call the kernel
+# with the input's own shape (no reshape / view around it).
+
 def _fast_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     w = self.weight
     rows = x.numel() // x.shape[-1]
-    if rows > MAX_ROWS or x.device.type != "cpu" or (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)):
+    if rows > MAX_ROWS or not x.is_cpu or (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)):
         return F.linear(x, w, self.bias)
     return _apply(x, w, self.bias, self._fast_by_rows[rows])  # layouts checked to fit when patched
 
@@ -209,7 +219,7 @@ def _fast_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
 def _stock_path(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether a patched module must run its stock forward for this input (training, other devices or dtypes,
     more rows than the plan covers)."""
-    return (x.numel() // x.shape[-1] > MAX_ROWS or x.device.type != "cpu" or x.dtype != torch.float32
+    return (x.numel() // x.shape[-1] > MAX_ROWS or not x.is_cpu or x.dtype != torch.float32
             or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)))
 
 
@@ -218,8 +228,7 @@ def _norm_kernel(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 def _mlp_kernel(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    h = cpukernel.rows_gated(x.reshape(-1, x.shape[-1]), self.gate_proj.weight, self.up_proj.weight)
-    return self.down_proj(h.view(*x.shape[:-1], h.shape[-1]))
+    return self.down_proj(cpukernel.rows_gated(x, self.gate_proj.weight, self.up_proj.weight))
 
 
 def _fast_norm_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -231,6 +240,70 @@ def _fast_mlp_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     if _stock_path(x, gate.weight) or gate._fast_by_rows[x.numel() // x.shape[-1]] != "kernel":
         return type(self).forward(self, x)  # its linear layers still take their measured layouts
     return _mlp_kernel(self, x)
+
+
+def _attention_kernel(self: nn.Module, x: torch.Tensor, position_embeddings, mask, cache, attend, kwargs: dict):
+    """An attention module's forward (transformers' Llama-style: q / k / v projections, rotary embedding, cache
+    update, the attention function, o projection) with the products in their measured layouts and the rotary
+    embedding in one C call per tensor: the same numbers as the stock forward, in about a third of its torch
+    operations."""
+    b, m, d = x.shape[0], x.shape[1], self.head_dim
+    cos, sin = position_embeddings
+    rows = b * m
+    q = cpukernel.rope_(_apply(x, self.q_proj.weight, self.q_proj.bias, self.q_proj._fast_by_rows[rows]), cos, sin, d)
+    k = cpukernel.rope_(_apply(x, self.k_proj.weight, self.k_proj.bias, self.k_proj._fast_by_rows[rows]), cos, sin, d)
+    v = _apply(x, self.v_proj.weight, self.v_proj.bias, self.v_proj._fast_by_rows[rows])
+    q, k, v = (t.view(b, m, -1, d).transpose(1, 2) for t in (q, k, v))
+    if cache is not None:
+        k, v = cache.update(k, v, self.layer_idx)
+    out, weights = attend(self, q, k, v, mask, dropout=0.0, scaling=self.scaling, **kwargs)
+    return self.o_proj(out.reshape(b, m, -1)), weights
+
+
+def _fast_attention_forward(self: nn.Module, hidden_states: torch.Tensor, *args, **kwargs):
+    cache_kw = "cache" if "cache" in kwargs else "past_key_values"
+    cache, pe = kwargs.get(cache_kw), kwargs.get("position_embeddings")
+    x, impl = hidden_states, self.config._attn_implementation
+    if (args or pe is None or x.dim() != 3 or _stock_path(x, self.q_proj.weight) or not x.is_contiguous()
+            or pe[0].dim() != 3 or pe[0].shape[1] != x.shape[1] or pe[0].dtype != torch.float32
+            or (cache is not None and not isinstance(cache, DynamicCache)) or impl not in ALL_ATTENTION_FUNCTIONS):
+        return type(self).forward(self, hidden_states, *args, **kwargs)
+    kw = {k: v for k, v in kwargs.items() if k not in (cache_kw, "position_embeddings", "attention_mask")}
+    return _attention_kernel(self, x, pe, kwargs.get("attention_mask"), cache, ALL_ATTENTION_FUNCTIONS[impl], kw)
+
+
+def _is_plain_attention(mod: nn.Module) -> bool:
+    """A Llama-style attention module: exactly q / k / v / o projections the kernel takes, no other parts (no q / k
+    norms), a head size, a scaling and a layer index."""
+    names = {name for name, _ in mod.named_children()}
+    parts = [getattr(mod, n, None) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
+    return (names == {"q_proj", "k_proj", "v_proj", "o_proj"}
+            and all(isinstance(p, nn.Linear) and cpukernel.supports(p.weight) and "_fast_by_rows" in p.__dict__
+                    for p in parts)
+            and isinstance(getattr(mod, "head_dim", None), int) and 0 < mod.head_dim <= 1024 and mod.head_dim % 2 == 0
+            and isinstance(getattr(mod, "scaling", None), float) and isinstance(getattr(mod, "layer_idx", None), int)
+            and hasattr(getattr(mod, "config", None), "_attn_implementation"))
+
+
+def _attention_same_as_stock(mod: nn.Module) -> bool:
+    """Whether `_attention_kernel` computes what the module's stock forward computes, on three random rows with a
+    causal mask and random rotary angles (no cache)."""
+    if mod.config._attn_implementation not in ALL_ATTENTION_FUNCTIONS:
+        return False
+    gen = torch.Generator().manual_seed(0)
+    width, d = mod.q_proj.weight.shape[1], mod.head_dim
+    x = torch.randn(1, 3, width, generator=gen)
+    angles = torch.randn(1, 3, d // 2, generator=gen) * 3
+    pe = (torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin())
+    mask = torch.ones(3, 3, dtype=torch.bool).tril()[None, None]
+    try:
+        with torch.no_grad():
+            want = type(mod).forward(mod, x, position_embeddings=pe, attention_mask=mask)[0]
+            got = _attention_kernel(mod, x, pe, mask, None, ALL_ATTENTION_FUNCTIONS[mod.config._attn_implementation],
+                                    {})[0]
+    except Exception:  # a forward with another signature or contract: keep the stock one
+        return False
+    return got.shape == want.shape and torch.allclose(got, want, rtol=1e-4, atol=1e-4 * width ** 0.5)
 
 
 def _norm_eps(mod: nn.Module) -> float | None:
@@ -264,7 +337,8 @@ def _same_as_stock(mod: nn.Module, kernel, width: int) -> bool:
 
 
 def _patch_modules(model: nn.Module) -> None:
-    """Route RMS norms and gated MLPs through the C kernel where it computes what their stock forward does."""
+    """Route RMS norms, gated MLPs and Llama-style attention modules through the C kernel where it computes what
+    their stock forward does."""
     if not cpukernel.available():
         return
     for mod in model.modules():
@@ -277,6 +351,10 @@ def _patch_modules(model: nn.Module) -> None:
             fast, kernel, width = _fast_norm_forward, _norm_kernel, mod.weight.shape[0]
         elif _is_gated_mlp(mod) and "kernel" in mod.gate_proj.__dict__.get("_fast_by_rows", ()):
             fast, kernel, width = _fast_mlp_forward, _mlp_kernel, mod.gate_proj.weight.shape[1]
+        elif _is_plain_attention(mod):
+            if _attention_same_as_stock(mod):
+                mod.forward, mod._fast_module = types.MethodType(_fast_attention_forward, mod), True
+            continue
         else:
             continue
         if _same_as_stock(mod, kernel, width):

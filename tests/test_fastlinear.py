@@ -8,6 +8,7 @@ from torch import nn
 from eagle import cpukernel
 from eagle.fastlinear import (BUCKETS, LAYOUTS, Plan, calibrate, disable_fast_linear, enable_fast_linear,
                               fast_linear_enabled, linear)
+from eagle.attention import use_gqa_sdpa
 from infer import SpeculativeDecoder
 from tests.tiny import tiny_head, tiny_target
 
@@ -126,8 +127,34 @@ def test_norms_and_gated_mlps_are_patched_only_where_the_kernel_matches_them():
                                                 {f"{m.weight.shape[0]}x{m.weight.shape[1]}" for m in
                                                  model.modules() if isinstance(m, nn.Linear)}}))
         patched = {type(m).__name__ for m in model.modules() if m.__dict__.get("_fast_module")}
-        assert patched == {"LlamaRMSNorm", "LlamaMLP"} and "forward" not in model.odd_norm.__dict__
+        assert patched == {"LlamaRMSNorm", "LlamaMLP", "LlamaAttention"} and "forward" not in model.odd_norm.__dict__
         torch.testing.assert_close(model(ids).logits, want, rtol=1e-4, atol=1e-4)
         disable_fast_linear(model)
         assert not any("forward" in m.__dict__ for m in model.modules())
         assert torch.equal(model(ids).logits, want)
+
+
+def test_attention_modules_are_patched_bit_for_bit_and_only_plain_ones():
+    # the fused attention forward (products, rotary embedding in C, cache update, kernel attention) gives exactly
+    # the stock forward's numbers on a prefill and a tree-masked pass; a module with another part keeps its own
+    from tests.test_attention import _verify_logits
+
+    target = tiny_target(dtype=torch.float32, hidden=64, layers=3)
+    target.model.model.layers[0].self_attn.add_module("q_norm", nn.Identity())  # not a plain Llama attention
+    plan = Plan(layouts={f"{m.weight.shape[0]}x{m.weight.shape[1]}": {b: "kernel" for b in BUCKETS}
+                         for m in target.model.modules() if isinstance(m, nn.Linear)})
+    use_gqa_sdpa(target.model, True)
+    enable_fast_linear(target.model, plan)
+    attn = [layer.self_attn for layer in target.model.model.layers]
+    assert ["_fast_module" in a.__dict__ for a in attn] == [False, True, True]
+    g = torch.Generator().manual_seed(5)
+    prefix, nodes = torch.randint(0, 96, (1, 9), generator=g), torch.randint(0, 96, (1, 6), generator=g)
+    parents = torch.tensor([-1, 0, 0, 1, 2, 4])
+    with torch.no_grad():
+        fused = _verify_logits(target, prefix, nodes, parents)
+        for a in attn[1:]:
+            del a.forward, a._fast_module
+        stock = _verify_logits(target, prefix, nodes, parents)
+    assert torch.equal(fused, stock)
+    disable_fast_linear(target.model)
+    use_gqa_sdpa(target.model, False)
