@@ -2,6 +2,7 @@
 another git revision, on SmolLM2-135M's weight shapes at the row counts a decoding pass multiplies.
 
     .venv/bin/python benchmarks/kernel.py --against HEAD~1 /tmp/variant.py --rows 1 2 4 8 12 16
+    .venv/bin/python benchmarks/kernel.py --peak     # the arithmetic ceiling: 8-wide FMAs per second
 
 Each shape gets enough distinct random weights to fill 64 MB (more than the last-level cache), so every sweep
 reads them from memory as a decoding pass does. The layouts are interleaved within each repeat and the median
@@ -26,6 +27,45 @@ import torch.nn.functional as F
 from eagle import cpukernel
 
 SHAPES = ("576x576", "192x576", "1536x576", "576x1536", "49152x576")
+
+# --peak: twelve independent chains of 8-wide FMAs on registers, no memory: the arithmetic ceiling of a core
+PEAK_SOURCE = r"""
+#include <immintrin.h>
+float fma_chains(long iters, int nthreads) {
+    float out = 0.0f;
+    #pragma omp parallel num_threads(nthreads) reduction(+:out)
+    {
+        const __m256 x = _mm256_set1_ps(0.9999f), y = _mm256_set1_ps(1e-4f);
+        __m256 a[12];
+        for (int j = 0; j < 12; j++) a[j] = _mm256_set1_ps(0.001f * j);
+        for (long i = 0; i < iters; i++) {
+            a[0] = _mm256_fmadd_ps(a[0], x, y); a[1] = _mm256_fmadd_ps(a[1], x, y); a[2] = _mm256_fmadd_ps(a[2], x, y);
+            a[3] = _mm256_fmadd_ps(a[3], x, y); a[4] = _mm256_fmadd_ps(a[4], x, y); a[5] = _mm256_fmadd_ps(a[5], x, y);
+            a[6] = _mm256_fmadd_ps(a[6], x, y); a[7] = _mm256_fmadd_ps(a[7], x, y); a[8] = _mm256_fmadd_ps(a[8], x, y);
+            a[9] = _mm256_fmadd_ps(a[9], x, y); a[10] = _mm256_fmadd_ps(a[10], x, y);
+            a[11] = _mm256_fmadd_ps(a[11], x, y);
+        }
+        for (int j = 0; j < 12; j++) out += a[j][0];
+    }
+    return out;
+}
+"""
+
+
+def peak_fma(threads: int, iters: int = 50_000_000) -> float:
+    """Billions of 8-wide FMAs per second per thread, best of 5, with `threads` threads (needs FMA)."""
+    path = Path(tempfile.mkdtemp()) / "peak.so"
+    cpukernel.build(path, PEAK_SOURCE)
+    lib = ctypes.CDLL(str(path))
+    lib.fma_chains.argtypes, lib.fma_chains.restype = [ctypes.c_long, ctypes.c_int], ctypes.c_float
+    best = min(_timed(lambda: lib.fma_chains(iters, threads)) for _ in range(5))
+    return 12 * iters / best / 1e9
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
 
 
 def kernel_at(rev: str) -> ctypes.CDLL:
@@ -56,7 +96,12 @@ def main() -> None:
     ap.add_argument("--against", nargs="*", default=[],
                     help="also time the kernel of these git revisions or copies of eagle/cpukernel.py")
     ap.add_argument("--repeats", type=int, default=9)
+    ap.add_argument("--peak", action="store_true", help="only measure the arithmetic ceiling (FMAs per second)")
     args = ap.parse_args()
+    if args.peak:
+        for n in sorted({1, torch.get_num_threads()}):
+            print(f"{n} thread(s): {peak_fma(n):.2f} G 8-wide FMAs per second per thread")
+        return
     torch.manual_seed(0)
     layouts = {"F.linear": lambda x, w: F.linear(x, w), "kernel": lambda x, w: cpukernel.rows_linear(x, w, None)}
     for rev in args.against:

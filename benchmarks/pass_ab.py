@@ -1,0 +1,95 @@
+"""Whole target passes with this tree's fast path against another git revision's, in one process.
+
+    .venv/bin/python benchmarks/pass_ab.py --against HEAD~1 --rows 1 4 8 16
+
+The Python side of the fast path (`eagle/fastlinear.py`: which forwards are patched and how they call the kernels)
+is taken from the revision; the C kernels and everything else are this tree's, so the comparison isolates the
+patched forwards. Three variants are timed, interleaved round by round (order reversed every other round) over
+the same KV cache of --context tokens: the revision's, this tree's without its fused attention forward, and this
+tree's. The table shows median ms per pass (features and logits of every row) for each number of new tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from eagle import fastlinear, load_target
+from infer import SpeculativeDecoder
+from infer.cache import TargetCache
+
+
+def fastlinear_at(rev: str):
+    """eagle/fastlinear.py as it was at git revision `rev`, imported as a module of its own."""
+    root = Path(__file__).resolve().parent.parent
+    src = subprocess.run(["git", "show", f"{rev}:eagle/fastlinear.py"], check=True, capture_output=True, text=True,
+                         cwd=root).stdout
+    name = f"fastlinear_{rev.replace('~', '_').replace('^', '_')}"
+    module = importlib.util.module_from_spec(importlib.util.spec_from_loader(name, loader=None))
+    sys.modules[name] = module  # dataclasses look their module up
+    exec(compile(src, f"{rev}:eagle/fastlinear.py", "exec"), module.__dict__)
+    return module
+
+
+def unfuse_attention(model: torch.nn.Module) -> None:
+    """Drop the fused attention forwards (keeping every other patch)."""
+    for mod in model.modules():
+        if "_fast_module" in mod.__dict__ and hasattr(mod, "q_proj"):
+            del mod.forward, mod._fast_module
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--target", default="smollm2-135m")
+    ap.add_argument("--against", default="HEAD")
+    ap.add_argument("--rows", nargs="+", type=int, default=[1, 4, 8, 12, 16])
+    ap.add_argument("--context", type=int, default=256)
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--passes", type=int, default=3, help="timed passes per variant, row count and round")
+    args = ap.parse_args()
+    target = load_target(args.target)
+    dec = SpeculativeDecoder(target, None)
+    dec.use_fast_path(True)  # gqa attention on, and the plan decoding uses (calibrated once per machine)
+    plan = fastlinear.load_or_calibrate(target.model, run=dec._calibration_pass)
+    old = fastlinear_at(args.against)
+    variants = {args.against: (old, False), "this tree, attention unfused": (fastlinear, True),
+                "this tree": (fastlinear, False)}
+    g = torch.Generator().manual_seed(0)
+    cache = TargetCache()
+    times: dict[tuple[str, int], list[float]] = {(v, r): [] for v in variants for r in args.rows}
+    with torch.inference_mode():
+        target.features(torch.randint(100, 20000, (1, args.context), generator=g),
+                        position_ids=torch.arange(args.context)[None], cache=cache.hf)
+        for rnd in range(args.rounds):
+            order = list(variants.items())
+            for name, (module, unfused) in order if rnd % 2 == 0 else order[::-1]:
+                fastlinear.disable_fast_linear(target.model)
+                module.enable_fast_linear(target.model, plan)
+                if unfused:
+                    unfuse_attention(target.model)
+                for rows in args.rows:
+                    ids = torch.randint(100, 20000, (1, rows), generator=g)
+                    pos = torch.arange(args.context, args.context + rows)[None]
+                    for r in range(args.passes + 1):  # the first pass warms up
+                        t0 = time.perf_counter()
+                        target.logits(target.features(ids, position_ids=pos, cache=cache.hf)[0]).argmax(-1)
+                        if r:
+                            times[(name, rows)].append((time.perf_counter() - t0) * 1e3)
+                        cache.crop(args.context)
+    print(f"threads {torch.get_num_threads()}, context {args.context}; median ms per pass over "
+          f"{args.rounds} x {args.passes}")
+    print("| variant | " + " | ".join(f"M = {r}" for r in args.rows) + " |")
+    print("|---|" + "---|" * len(args.rows))
+    for name in variants:
+        print(f"| {name} | " + " | ".join(f"{statistics.median(times[(name, r)]):.1f}" for r in args.rows) + " |")
+
+
+if __name__ == "__main__":
+    main()
