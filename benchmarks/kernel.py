@@ -3,6 +3,7 @@ another git revision, on SmolLM2-135M's weight shapes at the row counts a decodi
 
     .venv/bin/python benchmarks/kernel.py --against HEAD~1 /tmp/variant.py --rows 1 2 4 8 12 16
     .venv/bin/python benchmarks/kernel.py --peak     # the arithmetic ceiling: 8-wide FMAs per second
+    .venv/bin/python benchmarks/kernel.py --attention 256 512 --rows 1 4 8 16 32   # attention alone
 
 Each shape gets enough distinct random weights to fill 64 MB (more than the last-level cache), so every sweep
 reads them from memory as a decoding pass does. The layouts are interleaved within each repeat and the median
@@ -89,6 +90,33 @@ def call(lib: ctypes.CDLL, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return y
 
 
+def time_attention(contexts: list[int], rows_list: list[int], repeats: int, layers: int = 30) -> None:
+    """ms per pass (SmolLM2's 30 layers, each with its own keys and values: 9 query heads on 3 key/value heads of
+    64) of the attention alone for M new tokens after `context` cached ones, tree-like causal mask."""
+    print(f"threads {torch.get_num_threads()}; ms for {layers} layers, median of {repeats}")
+    for context in contexts:
+        for m in rows_list:
+            n = context + m
+            qs = [torch.randn(1, 9, m, 64) for _ in range(layers)]
+            kvs = [(torch.randn(1, 3, n, 64), torch.randn(1, 3, n, 64)) for _ in range(layers)]
+            mask = torch.ones(1, 1, m, n, dtype=torch.bool).tril(context)
+
+            def folded(q, k, v):
+                return F.scaled_dot_product_attention(q.reshape(1, 3, 3 * m, 64), k, v,
+                                                      attn_mask=mask.repeat(1, 1, 3, 1), scale=0.125)
+
+            fns = {"kernel": lambda q, k, v: cpukernel.attend(q, k, v, mask, 0.125), "folded sdpa": folded}
+            times: dict[str, list[float]] = {name: [] for name in fns}
+            for _ in range(repeats):
+                for name, fn in fns.items():
+                    t0 = time.perf_counter()
+                    for q, (k, v) in zip(qs, kvs):
+                        fn(q, k, v)
+                    times[name].append((time.perf_counter() - t0) * 1e3)
+            print(f"context {context:>5} M {m:>3}: " + "  ".join(
+                f"{name} {statistics.median(t):6.2f}" for name, t in times.items()), flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), help="out x in, e.g. 576x1536")
@@ -97,10 +125,16 @@ def main() -> None:
                     help="also time the kernel of these git revisions or copies of eagle/cpukernel.py")
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--peak", action="store_true", help="only measure the arithmetic ceiling (FMAs per second)")
+    ap.add_argument("--attention", nargs="*", type=int, metavar="KEYS",
+                    help="only time attention (cpukernel.attend against sdpa with the query heads folded, as "
+                         "eagle.attention falls back to) at these cached lengths, for --rows query rows")
     args = ap.parse_args()
     if args.peak:
         for n in sorted({1, torch.get_num_threads()}):
             print(f"{n} thread(s): {peak_fma(n):.2f} G 8-wide FMAs per second per thread")
+        return
+    if args.attention is not None:
+        time_attention(args.attention or [256, 512], args.rows, args.repeats)
         return
     torch.manual_seed(0)
     layouts = {"F.linear": lambda x, w: F.linear(x, w), "kernel": lambda x, w: cpukernel.rows_linear(x, w, None)}
