@@ -265,7 +265,8 @@ def _fast_attention_forward(self: nn.Module, hidden_states: torch.Tensor, *args,
     cache, pe = kwargs.get(cache_kw), kwargs.get("position_embeddings")
     x, impl = hidden_states, self.config._attn_implementation
     if (args or pe is None or x.dim() != 3 or _stock_path(x, self.q_proj.weight) or not x.is_contiguous()
-            or pe[0].dim() != 3 or pe[0].shape[1] != x.shape[1] or pe[0].dtype != torch.float32
+            or pe[0].dim() != 3 or pe[0].shape[0] not in (1, x.shape[0]) or pe[0].shape[1] != x.shape[1]
+            or pe[0].shape[2] != self.head_dim or pe[0].dtype != torch.float32
             or (cache is not None and not isinstance(cache, DynamicCache)) or impl not in ALL_ATTENTION_FUNCTIONS):
         return type(self).forward(self, hidden_states, *args, **kwargs)
     kw = {k: v for k, v in kwargs.items() if k not in (cache_kw, "position_embeddings", "attention_mask")}
