@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from eagle import cpukernel
+from eagle.attention import MAX_ROWS as ATTENTION_ROWS
 from eagle.fastlinear import linear_as
 
 SHARED_PREFIXES = ("embed_tokens.", "lm_head.")
@@ -136,6 +138,8 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.nh * self.hd, cfg.hidden_size, bias=False)
 
     def forward(self, x, cos, sin, cache: HeadCache | None, layer: int, mask: torch.Tensor | None):
+        if _kernel_fits(x, self.hd):
+            return self._forward_kernel(x, cos, sin, cache, layer, mask)
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.nh, self.hd).transpose(1, 2)
         k = self.k_proj(x).view(B, T, self.nkv, self.hd).transpose(1, 2)
@@ -154,6 +158,30 @@ class Attention(nn.Module):
             mask = torch.ones(T, past + T, dtype=torch.bool, device=x.device).tril(past)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.nh * self.hd))
+
+    def _forward_kernel(self, x, cos, sin, cache: HeadCache | None, layer: int, mask: torch.Tensor | None):
+        """Drafting on the CPU: the same steps with the rotary embedding and the attention in C (grouped key /
+        value heads read in place, no copy of the cache per query head)."""
+        B, T, _ = x.shape
+        cos, sin = cos[:, 0], sin[:, 0]  # [B, T, D]
+        q = cpukernel.rope_(self.q_proj(x).contiguous(), cos, sin, self.hd).view(B, T, self.nh, self.hd)
+        k = cpukernel.rope_(self.k_proj(x).contiguous(), cos, sin, self.hd).view(B, T, self.nkv, self.hd)
+        v = self.v_proj(x).view(B, T, self.nkv, self.hd)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        past = 0
+        if cache is not None:
+            past = cache.length
+            k, v = cache.write(layer, k, v, past)
+        if mask is None and T > 1:
+            mask = torch.ones(T, past + T, dtype=torch.bool, device=x.device).tril(past)
+        out = cpukernel.attend(q, k, v, None if mask is None else mask.view(1, 1, *mask.shape[-2:]), self.hd ** -0.5)
+        return self.o_proj(out.view(B, T, self.nh * self.hd))
+
+
+def _kernel_fits(x: torch.Tensor, head_dim: int) -> bool:
+    """Whether a head attention call can take the C kernels: inference on the CPU in float32, a few rows."""
+    return (not (torch.is_grad_enabled() and x.requires_grad) and x.is_cpu and x.dtype == torch.float32
+            and x.shape[1] <= ATTENTION_ROWS and head_dim % 8 == 0 and head_dim <= 1024 and cpukernel.available())
 
 
 class MLP(nn.Module):
