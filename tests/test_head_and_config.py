@@ -7,7 +7,7 @@ import pytest
 import torch
 from tiny import tiny_head, tiny_target
 
-from eagle import CheckpointError, EagleHead, HeadConfig
+from eagle import CheckpointError, EagleHead, HeadConfig, cpukernel
 from eagle.configio import ConfigError, load_config
 from train.config import TrainConfig
 
@@ -116,3 +116,40 @@ def test_gguf_conversion_cache_is_keyed_by_content_not_path(tmp_path, monkeypatc
     assert _gguf_cache_dir(a) == _gguf_cache_dir(b)  # the same package in another virtual environment
     assert _gguf_cache_dir(a) != _gguf_cache_dir(c)
     assert _gguf_cache_dir(a).name.startswith("m-")
+
+
+@pytest.mark.skipif(not cpukernel.available(), reason="the C kernel does not build here")
+def test_head_attention_in_c_matches_torch_when_drafting(monkeypatch):
+    # drafting on the CPU in float32 takes the C rotary embedding and attention: a prefill, a one-row step and a
+    # tree-masked step with the head's own cache give what torch's path gives, to float32 rounding
+    from eagle import head as head_module
+    from eagle.head import HeadCache
+
+    target = tiny_target(dtype=torch.float32, hidden=64)
+    head = tiny_head(target)
+    g = torch.Generator().manual_seed(0)
+    feats, ids = torch.randn(1, 9, 64, generator=g), torch.randint(0, 96, (1, 9), generator=g)
+    tree_mask = torch.tensor([[True] * 8 + [True, False, False], [True] * 8 + [False, True, False],
+                              [True] * 8 + [True, False, True]])
+
+    def run() -> list[torch.Tensor]:
+        cache = HeadCache()
+        with torch.inference_mode():
+            out = [head(feats[:, :7], ids[:, :7], torch.arange(7)[None], cache=cache)]
+            out.append(head(feats[:, 7:8], ids[:, 7:8], torch.tensor([[7]]), cache=cache))
+            out.append(head(feats[:, 8:9].expand(1, 3, 64), ids[:, 8:9].expand(1, 3), torch.full((1, 3), 8),
+                            cache=cache, mask=tree_mask))
+        return out
+
+    calls, original = [], head_module.Attention._forward_kernel
+
+    def counted(self, *args):
+        calls.append(1)
+        return original(self, *args)
+
+    monkeypatch.setattr(head_module.Attention, "_forward_kernel", counted)
+    fast = run()
+    assert len(calls) == 3  # every call took the C path
+    monkeypatch.setattr(head_module, "_kernel_fits", lambda x, head_dim: False)
+    for got, want in zip(fast, run()):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
