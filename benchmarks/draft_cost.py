@@ -21,9 +21,9 @@ import torch
 from eagle import head as head_module
 from eagle import load_target
 from infer import SpeculativeDecoder
-from infer.cache import TargetCache
 from infer.decoder import DecodeConfig
 from infer.proposer import EagleProposer
+from speed import pass_ms  # benchmarks/speed.py: one target pass after a cache of `context` tokens
 
 
 def main() -> None:
@@ -42,9 +42,8 @@ def main() -> None:
     head = dec.head
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(100, 20000, (1, args.context + 1), generator=g)
-    cache = TargetCache()
     with torch.inference_mode():
-        feats = target.features(ids[:, :-1], position_ids=torch.arange(args.context)[None], cache=cache.hf)
+        feats = target.features(ids[:, :-1], position_ids=torch.arange(args.context)[None])
     settings = {f"chain k = {k}": DecodeConfig(mode="chain", num_speculative_tokens=k) for k in args.k}
     for spec in args.dynamic:
         tk, depth, total = map(int, spec.split(","))
@@ -64,12 +63,6 @@ def main() -> None:
             pos = torch.tensor([[committed]])
             head.logits(head(feats[:, -1:], ids[:, -1:], pos, cache=proposer.cache)[0])
 
-    def target_step() -> None:
-        with torch.inference_mode():
-            pos = torch.tensor([[args.context]])
-            target.logits(target.features(ids[:, -1:], position_ids=pos, cache=cache.hf)[0]).argmax(-1)
-        cache.crop(args.context)
-
     stock_fits = head_module._kernel_fits
     paths = {"C": stock_fits, "torch": lambda x, head_dim: False}
     jobs = {name: (lambda cfg=cfg: one_round(cfg)) for name, cfg in settings.items()}
@@ -86,11 +79,7 @@ def main() -> None:
                     fn()
                     times[(path, name)].append((time.perf_counter() - t0) * 1e3)
         head_module._kernel_fits = stock_fits
-        target_step()
-        for _ in range(args.repeats):
-            t0 = time.perf_counter()
-            target_step()
-            target_ms.append((time.perf_counter() - t0) * 1e3)
+        target_ms.append(pass_ms(dec, args.context, [1], args.repeats, fast=True)[1])
     step = statistics.median(target_ms)
     print(f"threads {torch.get_num_threads()}, context {args.context}; median ms over {args.rounds} x {args.repeats}")
     print("| drafting | head attention in C | in torch |")

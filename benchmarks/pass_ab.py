@@ -4,9 +4,10 @@
 
 The Python side of the fast path (`eagle/fastlinear.py`: which forwards are patched and how they call the kernels)
 is taken from the revision; the C kernels and everything else are this tree's, so the comparison isolates the
-patched forwards. Three variants are timed, interleaved round by round (order reversed every other round) over
-the same KV cache of --context tokens: the revision's, this tree's without its fused attention forward, and this
-tree's. The table shows median ms per pass (features and logits of every row) for each number of new tokens.
+patched forwards. Three variants are timed, interleaved round by round (order reversed every other round), after
+a KV cache of --context tokens: the revision's, this tree's without its fused attention forward, and this tree's.
+The table shows ms per pass (features and logits of every row, speed.py's `pass_ms`) for each number of new
+tokens.
 """
 
 from __future__ import annotations
@@ -16,14 +17,13 @@ import importlib.util
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 from eagle import fastlinear, load_target
 from infer import SpeculativeDecoder
-from infer.cache import TargetCache
+from speed import pass_ms  # benchmarks/speed.py: one target pass after a cache of `context` tokens
 
 
 def fastlinear_at(rev: str):
@@ -61,30 +61,19 @@ def main() -> None:
     old = fastlinear_at(args.against)
     variants = {args.against: (old, False), "this tree, attention unfused": (fastlinear, True),
                 "this tree": (fastlinear, False)}
-    g = torch.Generator().manual_seed(0)
-    cache = TargetCache()
     times: dict[tuple[str, int], list[float]] = {(v, r): [] for v in variants for r in args.rows}
-    with torch.inference_mode():
-        target.features(torch.randint(100, 20000, (1, args.context), generator=g),
-                        position_ids=torch.arange(args.context)[None], cache=cache.hf)
-        for rnd in range(args.rounds):
-            order = list(variants.items())
-            for name, (module, unfused) in order if rnd % 2 == 0 else order[::-1]:
-                fastlinear.disable_fast_linear(target.model)
-                module.enable_fast_linear(target.model, plan)
-                if unfused:
-                    unfuse_attention(target.model)
-                for rows in args.rows:
-                    ids = torch.randint(100, 20000, (1, rows), generator=g)
-                    pos = torch.arange(args.context, args.context + rows)[None]
-                    for r in range(args.passes + 1):  # the first pass warms up
-                        t0 = time.perf_counter()
-                        target.logits(target.features(ids, position_ids=pos, cache=cache.hf)[0]).argmax(-1)
-                        if r:
-                            times[(name, rows)].append((time.perf_counter() - t0) * 1e3)
-                        cache.crop(args.context)
-    print(f"threads {torch.get_num_threads()}, context {args.context}; median ms per pass over "
-          f"{args.rounds} x {args.passes}")
+    for rnd in range(args.rounds):
+        order = list(variants.items())
+        for name, (module, unfused) in order if rnd % 2 == 0 else order[::-1]:
+            fastlinear.disable_fast_linear(target.model)
+            module.enable_fast_linear(target.model, plan)
+            if unfused:
+                unfuse_attention(target.model)
+            # pass_ms keeps these patches: use_fast_path(True) patches only a model that has none
+            for rows, ms in pass_ms(dec, args.context, args.rows, args.passes, fast=True).items():
+                times[(name, rows)].append(ms)
+    print(f"threads {torch.get_num_threads()}, context {args.context}; median over {args.rounds} rounds of "
+          f"each round's median ms per pass ({args.passes} passes)")
     print("| variant | " + " | ".join(f"M = {r}" for r in args.rows) + " |")
     print("|---|" + "---|" * len(args.rows))
     for name in variants:

@@ -141,21 +141,10 @@ class Attention(nn.Module):
         if _kernel_fits(x, self.hd):
             return self._forward_kernel(x, cos, sin, cache, layer, mask)
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.nh, self.hd).transpose(1, 2)
-        k = self.k_proj(x).view(B, T, self.nkv, self.hd).transpose(1, 2)
-        v = self.v_proj(x).view(B, T, self.nkv, self.hd).transpose(1, 2)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
-        past = 0
-        if cache is not None:
-            past = cache.length
-            k, v = cache.write(layer, k, v, past)
+        q, k, v, mask = self._qkv(x, cos, sin, cache, layer, mask, rope_in_c=False)
         if self.nkv != self.nh:
             k = k.repeat_interleave(self.nh // self.nkv, dim=1)
             v = v.repeat_interleave(self.nh // self.nkv, dim=1)
-        if mask is None and T > 1:
-            # causal over the new tokens, everything cached before them visible
-            mask = torch.ones(T, past + T, dtype=torch.bool, device=x.device).tril(past)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.nh * self.hd))
 
@@ -163,19 +152,30 @@ class Attention(nn.Module):
         """Drafting on the CPU: the same steps with the rotary embedding and the attention in C (grouped key /
         value heads read in place, no copy of the cache per query head)."""
         B, T, _ = x.shape
-        cos, sin = cos[:, 0], sin[:, 0]  # [B, T, D]
-        q = cpukernel.rope_(self.q_proj(x).contiguous(), cos, sin, self.hd).view(B, T, self.nh, self.hd)
-        k = cpukernel.rope_(self.k_proj(x).contiguous(), cos, sin, self.hd).view(B, T, self.nkv, self.hd)
-        v = self.v_proj(x).view(B, T, self.nkv, self.hd)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        q, k, v, mask = self._qkv(x, cos, sin, cache, layer, mask, rope_in_c=True)
+        out = cpukernel.attend(q, k, v, None if mask is None else mask.view(1, 1, *mask.shape[-2:]), self.hd ** -0.5)
+        return self.o_proj(out.view(B, T, self.nh * self.hd))
+
+    def _qkv(self, x, cos, sin, cache: HeadCache | None, layer: int, mask: torch.Tensor | None, rope_in_c: bool):
+        """q, k, v [B, heads, T, D] after the rotary embedding (one C call per tensor, or torch's ops), k and v with
+        the cached entries in front; and the mask (when none is given: causal over the new tokens, everything
+        cached before them visible)."""
+        B, T, _ = x.shape
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if rope_in_c:
+            q = cpukernel.rope_(q.contiguous(), cos[:, 0], sin[:, 0], self.hd)  # cos / sin [B, 1, T, D]
+            k = cpukernel.rope_(k.contiguous(), cos[:, 0], sin[:, 0], self.hd)
+        q, k, v = (t.view(B, T, -1, self.hd).transpose(1, 2) for t in (q, k, v))
+        if not rope_in_c:
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
         past = 0
         if cache is not None:
             past = cache.length
             k, v = cache.write(layer, k, v, past)
         if mask is None and T > 1:
             mask = torch.ones(T, past + T, dtype=torch.bool, device=x.device).tril(past)
-        out = cpukernel.attend(q, k, v, None if mask is None else mask.view(1, 1, *mask.shape[-2:]), self.hd ** -0.5)
-        return self.o_proj(out.view(B, T, self.nh * self.hd))
+        return q, k, v, mask
 
 
 def _kernel_fits(x: torch.Tensor, head_dim: int) -> bool:
