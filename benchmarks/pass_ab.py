@@ -5,7 +5,8 @@
 The Python side of the fast path (`eagle/fastlinear.py`: which forwards are patched and how they call the kernels)
 is taken from the revision; the C kernels and everything else are this tree's, so the comparison isolates the
 patched forwards. Three variants are timed, interleaved round by round (order reversed every other round), after
-a KV cache of --context tokens: the revision's, this tree's without its fused attention forward, and this tree's.
+a KV cache of --context tokens: the revision's, this tree's without its one-call decoder layers (each layer runs
+its patched norms, attention and MLP), and this tree's.
 The table shows ms per pass (features and logits of every row, speed.py's `pass_ms`) for each number of new
 tokens.
 """
@@ -38,10 +39,10 @@ def fastlinear_at(rev: str):
     return module
 
 
-def unfuse_attention(model: torch.nn.Module) -> None:
-    """Drop the fused attention forwards (keeping every other patch)."""
+def unfuse_layers(model: torch.nn.Module) -> None:
+    """Drop the one-call decoder layer forwards (keeping every other patch: the layers run their patched parts)."""
     for mod in model.modules():
-        if "_fast_module" in mod.__dict__ and hasattr(mod, "q_proj"):
+        if "_fast_module" in mod.__dict__ and hasattr(mod, "self_attn"):
             del mod.forward, mod._fast_module
 
 
@@ -59,7 +60,7 @@ def main() -> None:
     dec.use_fast_path(True)  # gqa attention on, and the plan decoding uses (calibrated once per machine)
     plan = fastlinear.load_or_calibrate(target.model, run=dec._calibration_pass)
     old = fastlinear_at(args.against)
-    variants = {args.against: (old, False), "this tree, attention unfused": (fastlinear, True),
+    variants = {args.against: (old, False), "this tree, layers not in one call": (fastlinear, True),
                 "this tree": (fastlinear, False)}
     times: dict[tuple[str, int], list[float]] = {(v, r): [] for v in variants for r in args.rows}
     for rnd in range(args.rounds):
@@ -68,7 +69,7 @@ def main() -> None:
             fastlinear.disable_fast_linear(target.model)
             module.enable_fast_linear(target.model, plan)
             if unfused:
-                unfuse_attention(target.model)
+                unfuse_layers(target.model)
             # pass_ms keeps these patches: use_fast_path(True) patches only a model that has none
             for rows, ms in pass_ms(dec, args.context, args.rows, args.passes, fast=True).items():
                 times[(name, rows)].append(ms)

@@ -27,6 +27,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import threading
 from pathlib import Path
 
 import torch
@@ -122,19 +123,23 @@ static inline void dot_rows(const float *w, const float *X, int64_t in_f, int64_
     }
 }
 
+/* Y[m, o] = sum_i W[o, i] X[m, i] (+ B[o]) for m < M and one output o. */
+static inline void linear_out(const float *W, const float *X, const float *B, float *Y,
+                              int64_t o, int64_t out_f, int64_t in_f, int64_t M) {
+    float acc[CHUNK];
+    const float bias = B ? B[o] : 0.0f;
+    for (int64_t m0 = 0; m0 < M; m0 += CHUNK) {
+        int64_t n = M - m0 < CHUNK ? M - m0 : CHUNK;
+        dot_rows(W + o * in_f, X + m0 * in_f, in_f, n, acc);
+        for (int64_t m = 0; m < n; m++) Y[(m0 + m) * out_f + o] = acc[m] + bias;
+    }
+}
+
 /* Y[m, o] = sum_i W[o, i] X[m, i] (+ B[o]) for m < M. Output rows are split over the threads. */
 void rows_linear(const float *W, const float *X, const float *B, float *Y,
                  int64_t out_f, int64_t in_f, int64_t M, int nthreads) {
     #pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int64_t o = 0; o < out_f; o++) {
-        float acc[CHUNK];
-        const float bias = B ? B[o] : 0.0f;
-        for (int64_t m0 = 0; m0 < M; m0 += CHUNK) {
-            int64_t n = M - m0 < CHUNK ? M - m0 : CHUNK;
-            dot_rows(W + o * in_f, X + m0 * in_f, in_f, n, acc);
-            for (int64_t m = 0; m < n; m++) Y[(m0 + m) * out_f + o] = acc[m] + bias;
-        }
-    }
+    for (int64_t o = 0; o < out_f; o++) linear_out(W, X, B, Y, o, out_f, in_f, M);
 }
 
 /* A gated MLP's first half: Y[m, o] = silu(G[o] . X[m]) * (U[o] . X[m]), reading rows o of G and U together. */
@@ -282,6 +287,39 @@ void rope(float *X, const float *cos, const float *sin, int64_t B, int64_t M, in
         }
 }
 
+/* A Llama-style attention module for M rows of one sequence, in one call: the q / k / v products (one parallel
+   loop over their stacked outputs), the rotary embedding of q and k, the new keys and values written into the
+   cache buffers at positions past .. past + M - 1 (K / V [H_kv, capacity, D], head stride kv_sh), attention over
+   the past + M keys, and the o product into Y [M, hidden]. Every number is computed by the same code, in the same
+   order, as the separate calls above (rows_linear, rope, attend), so the results are theirs bit for bit. work holds
+   M (2 H + 2 H_kv) D floats. */
+void attention_block(const float *X, int64_t M, int64_t hid,
+                     const float *Wq, const float *Bq, const float *Wk, const float *Bk,
+                     const float *Wv, const float *Bv, const float *Wo, const float *Bo,
+                     int64_t H, int64_t Hkv, int64_t D, const float *cos, const float *sin,
+                     float *K, float *V, int64_t kv_sh, int64_t past,
+                     const void *mask, int mask_kind, int64_t mask_sm, float scale,
+                     float *work, float *Y, int nthreads) {
+    const int64_t nq = H * D, nk = Hkv * D;
+    float *Q = work, *Kn = Q + M * nq, *Vn = Kn + M * nk, *A = Vn + M * nk;
+    #pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t o = 0; o < nq + 2 * nk; o++) {
+        if (o < nq) linear_out(Wq, X, Bq, Q, o, nq, hid, M);
+        else if (o < nq + nk) linear_out(Wk, X, Bk, Kn, o - nq, nk, hid, M);
+        else linear_out(Wv, X, Bv, Vn, o - nq - nk, nk, hid, M);
+    }
+    rope(Q, cos, sin, 1, M, H, D, 0);
+    rope(Kn, cos, sin, 1, M, Hkv, D, 0);
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t h = 0; h < Hkv; h++) {
+            memcpy(K + h * kv_sh + (past + m) * D, Kn + (m * Hkv + h) * D, (size_t)D * sizeof(float));
+            memcpy(V + h * kv_sh + (past + m) * D, Vn + (m * Hkv + h) * D, (size_t)D * sizeof(float));
+        }
+    attend(Q, 0, D, nq, K, V, 0, kv_sh, D, mask, mask_kind, 0, mask_sm, A, 1, H, H / Hkv, M, past + M, D, scale,
+           nthreads);
+    rows_linear(Wo, A, Bo, Y, hid, nq, M, nthreads);
+}
+
 /* RMS norm of each row: Y[m] = W * (X[m] / sqrt(mean(X[m]^2) + eps)); the sum of squares in a fixed order. */
 void rms_norm(const float *X, const float *W, float *Y, int64_t M, int64_t n, float eps) {
     for (int64_t m = 0; m < M; m++) {
@@ -294,6 +332,29 @@ void rms_norm(const float *X, const float *W, float *Y, int64_t M, int64_t n, fl
         const float inv = 1.0f / sqrtf(reduce(a0, a1, a2, a3) / (float)n + eps);
         for (int64_t i = 0; i < n; i++) Y[m * n + i] = W[i] * (x[i] * inv);
     }
+}
+
+/* A Llama-style decoder layer for M rows of one sequence, in one call:
+       h = x + attention(rms_norm(x)),  y = h + down(silu(gate(rms_norm(h))) * up(rms_norm(h)))
+   with the calls above (rms_norm, attention_block, rows_gated, rows_linear) and plain float sums, so the results
+   are those of the separate calls bit for bit. work holds M (3 hid + inter + (2 H + 2 H_kv) D) floats. */
+void decoder_layer(const float *X, int64_t M, int64_t hid, const float *Wn1, float eps1, const float *Wn2, float eps2,
+                   const float *Wq, const float *Bq, const float *Wk, const float *Bk,
+                   const float *Wv, const float *Bv, const float *Wo, const float *Bo,
+                   int64_t H, int64_t Hkv, int64_t D, const float *cos, const float *sin,
+                   float *K, float *V, int64_t kv_sh, int64_t past,
+                   const void *mask, int mask_kind, int64_t mask_sm, float scale,
+                   const float *G, const float *U, const float *Dn, int64_t inter,
+                   float *work, float *Y, int nthreads) {
+    float *N = work, *Hs = N + M * hid, *T = Hs + M * hid, *Mid = T + M * hid, *aw = Mid + M * inter;
+    rms_norm(X, Wn1, N, M, hid, eps1);
+    attention_block(N, M, hid, Wq, Bq, Wk, Bk, Wv, Bv, Wo, Bo, H, Hkv, D, cos, sin, K, V, kv_sh, past,
+                    mask, mask_kind, mask_sm, scale, aw, T, nthreads);
+    for (int64_t i = 0; i < M * hid; i++) Hs[i] = X[i] + T[i];
+    rms_norm(Hs, Wn2, N, M, hid, eps2);
+    rows_gated(G, U, N, Mid, inter, hid, M, nthreads);
+    rows_linear(Dn, Mid, 0, T, hid, inter, M, nthreads);
+    for (int64_t i = 0; i < M * hid; i++) Y[i] = Hs[i] + T[i];
 }
 """
 
@@ -342,7 +403,13 @@ def load(path: Path) -> ctypes.CDLL:
     lib.rope.argtypes = [vp, vp, vp, i64, i64, i64, i64, i64]
     lib.attend.argtypes = [vp, i64, i64, i64, vp, vp, i64, i64, i64, vp, ctypes.c_int, i64, i64,
                            vp, i64, i64, i64, i64, i64, i64, ctypes.c_float, ctypes.c_int]
-    for fn in (lib.rows_linear, lib.rows_gated, lib.rms_norm, lib.rope, lib.attend):
+    lib.attention_block.argtypes = [vp, i64, i64, vp, vp, vp, vp, vp, vp, vp, vp, i64, i64, i64, vp, vp, vp, vp, i64,
+                                    i64, vp, ctypes.c_int, i64, ctypes.c_float, vp, vp, ctypes.c_int]
+    lib.decoder_layer.argtypes = [vp, i64, i64, vp, ctypes.c_float, vp, ctypes.c_float, vp, vp, vp, vp, vp, vp, vp, vp,
+                                  i64, i64, i64, vp, vp, vp, vp, i64, i64, vp, ctypes.c_int, i64, ctypes.c_float,
+                                  vp, vp, vp, i64, vp, vp, ctypes.c_int]
+    for fn in (lib.rows_linear, lib.rows_gated, lib.rms_norm, lib.rope, lib.attend, lib.attention_block,
+               lib.decoder_layer):
         fn.restype = None
     return lib
 
@@ -443,3 +510,59 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: to
                mptr, kind, mask_sb, mask_sm, out.data_ptr(), B, H, H // key.shape[1], M, L, D, scale,
                torch.get_num_threads())
     return out
+
+
+
+def _ptr(t: torch.Tensor | None):
+    return None if t is None else t.data_ptr()
+
+
+_local = threading.local()
+
+
+def _scratch(n: int) -> torch.Tensor:
+    """A float32 buffer of at least n floats for the C calls' intermediate rows, kept per thread and reused."""
+    buf = getattr(_local, "buf", None)
+    if buf is None or buf.shape[0] < n:
+        buf = _local.buf = torch.empty(max(n, 1 << 16))
+    return buf
+
+
+def attention_block(x: torch.Tensor, projs: tuple, heads: int, kv_heads: int, head_dim: int, cos: torch.Tensor,
+                    sin: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, past: int,
+                    mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """A Llama-style attention module's forward for x [1, M, hidden] in one C call, with the results of
+    `rows_linear`, `rope_` and `attend` bit for bit. projs = (q weight, q bias, k weight, k bias, v weight, v bias,
+    o weight, o bias), biases None or contiguous. The new keys and values are written into the cache buffers
+    k_buf / v_buf [1, kv_heads, capacity >= past + M, head_dim] (contiguous) at positions past .. past + M - 1;
+    mask is None (M = 1) or [1, 1, M, >= past + M] with its last axis contiguous, bool or additive float32;
+    cos / sin [1, M, head_dim] contiguous. The caller checked all of it. Returns [1, M, hidden]."""
+    m, hid = x.shape[1], x.shape[2]
+    y = x.new_empty(1, m, projs[6].shape[0])
+    work = _scratch(m * (2 * heads + 2 * kv_heads) * head_dim)
+    kind, mask_sm = (0, 0) if mask is None else (1 if mask.dtype == torch.bool else 2, mask.stride(2))
+    (_lib or library()).attention_block(
+        x.data_ptr(), m, hid, *[_ptr(t) for t in projs], heads, kv_heads, head_dim, cos.data_ptr(), sin.data_ptr(),
+        k_buf.data_ptr(), v_buf.data_ptr(), k_buf.stride(1), past, _ptr(mask), kind, mask_sm, scale,
+        work.data_ptr(), y.data_ptr(), torch.get_num_threads())
+    return y
+
+
+def decoder_layer(x: torch.Tensor, norms: tuple, projs: tuple, mlp: tuple, heads: int, kv_heads: int,
+                  head_dim: int, cos: torch.Tensor, sin: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
+                  past: int, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """A Llama-style decoder layer's forward for x [1, M, hidden] in one C call: `rms_norm`, `attention_block`,
+    the residual sum, `rms_norm`, `rows_gated`, `rows_linear`, the residual sum, bit for bit. norms = (input norm
+    weight, eps, post-attention norm weight, eps); mlp = (gate, up, down weights); the rest as `attention_block`."""
+    m, hid = x.shape[1], x.shape[2]
+    inter = mlp[0].shape[0]
+    y = x.new_empty(1, m, hid)
+    work = _scratch(m * (3 * hid + inter + (2 * heads + 2 * kv_heads) * head_dim))
+    kind, mask_sm = (0, 0) if mask is None else (1 if mask.dtype == torch.bool else 2, mask.stride(2))
+    (_lib or library()).decoder_layer(
+        x.data_ptr(), m, hid, norms[0].data_ptr(), norms[1], norms[2].data_ptr(), norms[3],
+        *[_ptr(t) for t in projs], heads, kv_heads, head_dim, cos.data_ptr(), sin.data_ptr(),
+        k_buf.data_ptr(), v_buf.data_ptr(), k_buf.stride(1), past, _ptr(mask), kind, mask_sm, scale,
+        mlp[0].data_ptr(), mlp[1].data_ptr(), mlp[2].data_ptr(), inter, work.data_ptr(), y.data_ptr(),
+        torch.get_num_threads())
+    return y

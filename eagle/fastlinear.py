@@ -31,6 +31,7 @@ forward runs. Results agree with the stock forward to float32 rounding (the summ
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import os
 import platform
@@ -49,7 +50,9 @@ from transformers import DynamicCache
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from eagle import cpukernel
-from eagle.target import cache_root
+from eagle.attention import IMPLEMENTATION as ATTENTION_IMPLEMENTATION
+from eagle.attention import MAX_ROWS as ATTENTION_ROWS
+from eagle.target import PreallocatedLayer, cache_root, preallocated_cache
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # row counts measured; a call uses the plan of the smallest bucket >= its rows
 MAX_ROWS = BUCKETS[-1]
@@ -260,10 +263,97 @@ def _attention_kernel(self: nn.Module, x: torch.Tensor, position_embeddings, mas
     return self.o_proj(out.reshape(b, m, -1)), weights
 
 
+def _cache_slot(attn: nn.Module, x: torch.Tensor, pe, mask, cache):
+    """Where `_fused_attention` / `_fused_layer` may run attention module `attn` in C: (cache layer, rows already
+    cached) when x is one sequence of float32 rows for which the plan chose the kernel for every product, `gqa_sdpa`
+    attention, a preallocated cache layer with room for the new rows, rotary tables and a mask the kernel reads
+    (no mask only for one row), nothing that needs gradients; else None."""
+    if x.dim() != 3 or x.shape[0] != 1 or x.shape[1] > ATTENTION_ROWS or cache is None or pe is None:
+        return None
+    m = x.shape[1]
+    cos, sin = pe
+    if (not x.is_cpu or x.dtype != torch.float32 or not x.is_contiguous()
+            or (torch.is_grad_enabled() and (x.requires_grad or attn._fused_params[0]["weight"].requires_grad))
+            or _attn_implementation(attn.config) != ATTENTION_IMPLEMENTATION
+            or cos.shape != (1, m, attn.head_dim) or cos.dtype != torch.float32 or sin.shape != cos.shape
+            or not (cos.is_contiguous() and sin.is_contiguous())):
+        return None
+    layers = getattr(cache, "layers", None)
+    layer = layers[attn.layer_idx] if layers is not None and len(layers) > attn.layer_idx else None
+    if type(layer) is not PreallocatedLayer or not layer.is_initialized or layer._k is None:
+        return None
+    past = layer.keys.shape[-2]
+    if layer._k.shape[0] != 1 or layer._k.shape[2] < past + m:
+        return None  # the stock update makes room
+    if mask is None:
+        return (layer, past) if m == 1 else None
+    if (mask.dim() != 4 or mask.shape[0] != 1 or mask.shape[1] != 1 or mask.shape[2] != m or mask.shape[3] < past + m
+            or mask.dtype not in (torch.bool, torch.float32) or mask.stride(-1) != 1):
+        return None
+    return layer, past
+
+
+def _attn_implementation(config) -> str | None:
+    """config._attn_implementation without transformers' attribute machinery (~9 us a read here, 30 reads a pass)."""
+    try:
+        return object.__getattribute__(config, "_attn_implementation_internal")
+    except AttributeError:
+        return config._attn_implementation
+
+
+def _projections(attn: nn.Module) -> tuple:
+    """(q weight, q bias, ..., o weight, o bias) of an attention module, read from the parameter dicts kept at patch
+    time (a submodule's attribute costs ~3-5 us here)."""
+    out = []
+    for params in attn._fused_params:
+        out += (params["weight"], params.get("bias"))
+    return tuple(out)
+
+
+def _fused_attention(self: nn.Module, x: torch.Tensor, pe, mask, cache) -> torch.Tensor | None:
+    """The whole attention module in one C call (`cpukernel.attention_block`, the same numbers as
+    `_attention_kernel` with `gqa_sdpa`) where `_cache_slot` allows it, else None."""
+    slot = _cache_slot(self, x, pe, mask, cache) if self._fused_rows[min(x.shape[1], MAX_ROWS)] else None
+    if slot is None:
+        return None
+    layer, past = slot
+    end, k_buf, v_buf = past + x.shape[1], layer._k, layer._v
+    y = cpukernel.attention_block(x, _projections(self), *self._fused_dims, pe[0], pe[1], k_buf, v_buf, past, mask,
+                                  self.scaling)
+    layer.keys, layer.values = k_buf[:, :, :end], v_buf[:, :, :end]
+    return y
+
+
+def _fast_layer_forward(self: nn.Module, hidden_states: torch.Tensor, *args, **kwargs):
+    """A Llama-style decoder layer in one C call (`cpukernel.decoder_layer`) where it applies, else its own forward
+    (whose norms, attention and MLP are patched themselves)."""
+    x = hidden_states
+    if not args and x.dim() == 3 and x.shape[1] <= MAX_ROWS and self._fused_rows[x.shape[1]]:
+        attn = self._fused_parts[0]
+        cache = kwargs["cache"] if "cache" in kwargs else kwargs.get("past_key_values")
+        pe, mask = kwargs.get("position_embeddings"), kwargs.get("attention_mask")
+        slot = _cache_slot(attn, x, pe, mask, cache)
+        if slot is not None:
+            layer, past = slot
+            _, norm1, norm2, gate, up, down = self._fused_parts
+            k_buf, v_buf, end = layer._k, layer._v, past + x.shape[1]
+            y = cpukernel.decoder_layer(
+                x, (norm1["weight"], self._fused_eps[0], norm2["weight"], self._fused_eps[1]), _projections(attn),
+                (gate["weight"], up["weight"], down["weight"]), *attn._fused_dims, pe[0], pe[1], k_buf, v_buf, past,
+                mask, attn.scaling)
+            layer.keys, layer.values = k_buf[:, :, :end], v_buf[:, :, :end]
+            return y
+    return type(self).forward(self, hidden_states, *args, **kwargs)
+
+
 def _fast_attention_forward(self: nn.Module, hidden_states: torch.Tensor, *args, **kwargs):
     cache_kw = "cache" if "cache" in kwargs else "past_key_values"
     cache, pe = kwargs.get(cache_kw), kwargs.get("position_embeddings")
     x, impl = hidden_states, self.config._attn_implementation
+    if not args and pe is not None:
+        y = _fused_attention(self, x, pe, kwargs.get("attention_mask"), cache)
+        if y is not None:
+            return y, None
     if (args or pe is None or x.dim() != 3 or _stock_path(x, self.q_proj.weight) or not x.is_contiguous()
             or pe[0].dim() != 3 or pe[0].shape[0] not in (1, x.shape[0]) or pe[0].shape[1] != x.shape[1]
             or pe[0].shape[2] != self.head_dim or pe[0].dtype != torch.float32
@@ -305,6 +395,88 @@ def _attention_same_as_stock(mod: nn.Module) -> bool:
     except (TypeError, ValueError, RuntimeError, AttributeError, IndexError):
         return False  # a forward with another signature or contract than Llama's: it keeps its stock forward
     return got.shape == want.shape and torch.allclose(got, want, rtol=1e-4, atol=1e-4 * width ** 0.5)
+
+
+def _plan_fused_attention(mod: nn.Module) -> None:
+    """For each row count, whether `_fused_attention` may run the module: the plan chose the kernel for all four
+    products, the heads divide evenly, biases (if any) are contiguous float32."""
+    projs = [getattr(mod, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
+    d = mod.head_dim
+    heads, kv_heads = projs[0].weight.shape[0] // d, projs[1].weight.shape[0] // d
+    fits = (projs[0].weight.shape[0] == heads * d and projs[1].weight.shape == projs[2].weight.shape
+            and projs[1].weight.shape[0] == kv_heads * d and kv_heads > 0 and heads % kv_heads == 0 and d % 8 == 0
+            and projs[3].weight.shape[1] == heads * d
+            and all(p.bias is None or (p.bias.dtype == torch.float32 and p.bias.is_contiguous()) for p in projs))
+    mod._fused_dims = (heads, kv_heads, d)
+    mod._fused_params = tuple(p._parameters for p in projs)
+    mod._fused_rows = [fits and 0 < rows <= ATTENTION_ROWS and all(p._fast_by_rows[rows] == "kernel" for p in projs)
+                       for rows in range(MAX_ROWS + 1)]
+
+
+LAYER_PARTS = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
+FUSED_ATTRS = ("_fast_eps", "_fused_rows", "_fused_dims", "_fused_params", "_fused_parts", "_fused_eps")
+
+
+def _plan_fused_layer(mod: nn.Module) -> bool:
+    """Whether `mod` looks like a Llama decoder layer whose norms, attention and MLP all run the kernels; if so, keep
+    its parts and, for each row count, whether `_fast_layer_forward` may run it in one call."""
+    parts = dict(mod.named_children())
+    if set(parts) != LAYER_PARTS:
+        return False
+    attn, mlp, norm1, norm2 = (parts[n] for n in ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm"))
+    if not ("_fused_rows" in attn.__dict__ and "_fast_eps" in norm1.__dict__ and "_fast_eps" in norm2.__dict__
+            and getattr(mlp.__dict__.get("forward"), "__func__", None) is _fast_mlp_forward
+            and norm1.weight.shape == norm2.weight.shape == (mlp.down_proj.weight.shape[0],)):
+        return False
+    mod._fused_parts = (attn, norm1._parameters, norm2._parameters, mlp.gate_proj._parameters,
+                        mlp.up_proj._parameters, mlp.down_proj._parameters)
+    mod._fused_eps = (norm1._fast_eps, norm2._fast_eps)
+    mod._fused_rows = [attn._fused_rows[rows] and mlp.gate_proj._fast_by_rows[rows] == "kernel"
+                       and mlp.down_proj._fast_by_rows[rows] == "kernel" for rows in range(MAX_ROWS + 1)]
+    return True
+
+
+def _unplan(mod: nn.Module) -> None:
+    for name in FUSED_ATTRS:
+        mod.__dict__.pop(name, None)
+
+
+def _layer_same_as_stock(mod: nn.Module) -> bool:
+    """Whether the one-call layer computes what the layer's own forward computes (with its patched parts): two
+    rows after three cached ones with a causal mask, then one more row without a mask, on random inputs, each
+    path with its own preallocated cache holding the same past."""
+    attn = mod._fused_parts[0]
+    heads, kv_heads, d = attn._fused_dims
+    hid = mod._fused_parts[1]["weight"].shape[0]
+    gen = torch.Generator().manual_seed(0)
+    past_k, past_v = torch.randn(2, 1, kv_heads, 3, d, generator=gen)
+    caches = [preallocated_cache() for _ in range(2)]
+    for cache in caches:
+        for i in range(attn.layer_idx + 1):
+            cache.update(past_k.clone(), past_v.clone(), i)
+    cache_kw = "cache" if "cache" in inspect.signature(type(mod).forward).parameters else "past_key_values"
+    try:
+        with torch.no_grad():
+            for m, mask in ((2, torch.ones(2, 5, dtype=torch.bool).tril(3)[None, None]), (1, None)):
+                x = torch.randn(1, m, hid, generator=gen)
+                angles = torch.randn(1, m, d // 2, generator=gen) * 3
+                pe = (torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin())
+                want = type(mod).forward(mod, x, attention_mask=mask, position_embeddings=pe,
+                                         **{cache_kw: caches[0]})
+                want = want[0] if isinstance(want, tuple) else want
+                layer = caches[1].layers[attn.layer_idx]
+                past = layer.keys.shape[-2]
+                _, norm1, norm2, gate, up, down = mod._fused_parts
+                got = cpukernel.decoder_layer(
+                    x, (norm1["weight"], mod._fused_eps[0], norm2["weight"], mod._fused_eps[1]), _projections(attn),
+                    (gate["weight"], up["weight"], down["weight"]), heads, kv_heads, d, pe[0], pe[1], layer._k,
+                    layer._v, past, mask, attn.scaling)
+                layer.keys, layer.values = layer._k[:, :, :past + m], layer._v[:, :, :past + m]
+                if not (got.shape == want.shape and torch.allclose(got, want, rtol=1e-4, atol=1e-4 * hid ** 0.5)):
+                    return False
+    except (TypeError, ValueError, RuntimeError, AttributeError, IndexError, KeyError):
+        return False  # a layer with another contract than Llama's keeps its own forward
+    return True
 
 
 def _norm_eps(mod: nn.Module) -> float | None:
@@ -354,6 +526,7 @@ def _patch_modules(model: nn.Module) -> None:
             fast, kernel, width = _fast_mlp_forward, _mlp_kernel, mod.gate_proj.weight.shape[1]
         elif _is_plain_attention(mod):
             if _attention_same_as_stock(mod):
+                _plan_fused_attention(mod)
                 mod.forward, mod._fast_module = types.MethodType(_fast_attention_forward, mod), True
             continue
         else:
@@ -362,6 +535,12 @@ def _patch_modules(model: nn.Module) -> None:
             mod.forward, mod._fast_module = types.MethodType(fast, mod), True
         else:
             mod.__dict__.pop("_fast_eps", None)
+    for mod in model.modules():  # decoder layers whose parts are all patched (the loop above reached them first)
+        if "_fast_module" not in mod.__dict__ and _plan_fused_layer(mod):
+            if _layer_same_as_stock(mod):
+                mod.forward, mod._fast_module = types.MethodType(_fast_layer_forward, mod), True
+            else:
+                _unplan(mod)
 
 
 def linear_as(mod: nn.Module, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -393,7 +572,7 @@ def disable_fast_linear(model: nn.Module) -> None:
     for mod in model.modules():
         if "_fast_module" in mod.__dict__:
             del mod.forward, mod._fast_module
-            mod.__dict__.pop("_fast_eps", None)
+            _unplan(mod)
     for mod in _linears(model):
         if "forward" in mod.__dict__:
             del mod.forward

@@ -127,16 +127,18 @@ def test_norms_and_gated_mlps_are_patched_only_where_the_kernel_matches_them():
                                                 {f"{m.weight.shape[0]}x{m.weight.shape[1]}" for m in
                                                  model.modules() if isinstance(m, nn.Linear)}}))
         patched = {type(m).__name__ for m in model.modules() if m.__dict__.get("_fast_module")}
-        assert patched == {"LlamaRMSNorm", "LlamaMLP", "LlamaAttention"} and "forward" not in model.odd_norm.__dict__
+        assert patched == {"LlamaRMSNorm", "LlamaMLP", "LlamaAttention", "LlamaDecoderLayer"}
+        assert "forward" not in model.odd_norm.__dict__
         torch.testing.assert_close(model(ids).logits, want, rtol=1e-4, atol=1e-4)
         disable_fast_linear(model)
         assert not any("forward" in m.__dict__ for m in model.modules())
         assert torch.equal(model(ids).logits, want)
 
 
-def test_attention_modules_are_patched_bit_for_bit_and_only_plain_ones():
-    # the fused attention forward (products, rotary embedding in C, cache update, kernel attention) gives exactly
-    # the stock forward's numbers on a prefill and a tree-masked pass; a module with another part keeps its own
+def test_attention_modules_and_layers_are_patched_bit_for_bit_and_only_plain_ones():
+    # the fused attention forward (products, rotary embedding in C, cache update, kernel attention) and the one-call
+    # decoder layer give exactly the stock forwards' numbers on a prefill and a tree-masked pass; a module with
+    # another part keeps its own forward, and so does its layer
     from tests.test_attention import _verify_logits
 
     target = tiny_target(dtype=torch.float32, hidden=64, layers=3)
@@ -145,16 +147,28 @@ def test_attention_modules_are_patched_bit_for_bit_and_only_plain_ones():
                          for m in target.model.modules() if isinstance(m, nn.Linear)})
     use_gqa_sdpa(target.model, True)
     enable_fast_linear(target.model, plan)
-    attn = [layer.self_attn for layer in target.model.model.layers]
+    layers = list(target.model.model.layers)
+    attn = [layer.self_attn for layer in layers]
     assert ["_fast_module" in a.__dict__ for a in attn] == [False, True, True]
+    assert ["_fast_module" in layer.__dict__ for layer in layers] == [False, True, True]
     g = torch.Generator().manual_seed(5)
     prefix, nodes = torch.randint(0, 96, (1, 9), generator=g), torch.randint(0, 96, (1, 6), generator=g)
     parents = torch.tensor([-1, 0, 0, 1, 2, 4])
+    calls = []
+    one_call = cpukernel.decoder_layer
     with torch.no_grad():
-        fused = _verify_logits(target, prefix, nodes, parents)
+        cpukernel.decoder_layer = lambda x, *a: calls.append(x.shape[1]) or one_call(x, *a)
+        try:
+            one_call_layers = _verify_logits(target, prefix, nodes, parents)
+        finally:
+            cpukernel.decoder_layer = one_call
+        assert calls == [6, 6]  # the prefill's causal mask is skipped (sdpa's is_causal): its layers run their parts
+        for layer in layers[1:]:
+            del layer.forward, layer._fast_module
+        fused_attention = _verify_logits(target, prefix, nodes, parents)
         for a in attn[1:]:
             del a.forward, a._fast_module
         stock = _verify_logits(target, prefix, nodes, parents)
-    assert torch.equal(fused, stock)
+    assert torch.equal(one_call_layers, stock) and torch.equal(fused_attention, stock)
     disable_fast_linear(target.model)
     use_gqa_sdpa(target.model, False)
