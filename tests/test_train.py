@@ -177,3 +177,19 @@ def test_eagle3_unrolled_steps_see_what_drafting_sees():
         for q in (p - 1, p):
             h = head(h, ids[:, q + 1: q + 2], torch.tensor([[q]]), cache=c)
     torch.testing.assert_close(preds[2][0, p], h[0, 0])
+
+
+def test_draft_vocab_also_counts_the_replies_of_a_larger_sample(tmp_path, target):
+    # model.vocab_counts: the assistant turns (not the user's) of another source are tokenized and counted, and
+    # each source's frequencies weigh half when the draft vocabulary is chosen
+    from data_prep.prep import assistant_token_counts
+    from train.loop import draft_vocab
+
+    src = tmp_path / "more.jsonl"
+    src.write_text(json.dumps({"messages": [{"role": "user", "content": "w20 w20 w20 w20 w20"},
+                                            {"role": "assistant", "content": "w9 w9 w9 w8"}]}) + "\n")
+    counts = assistant_token_counts(target.tokenizer, str(src), 10, target.vocab_size)
+    assert counts.sum() == 4 and counts[13] == 3 and counts[12] == 1  # w9, w8 (ids 13, 12); w20 is not counted
+    rows = [(torch.tensor([2, 5, 5, 6]), torch.tensor([False, True, True, True]))]
+    assert draft_vocab(rows, target.vocab_size, 2).tolist() == [5, 6]
+    assert draft_vocab(rows, target.vocab_size, 2, counts).tolist() == [5, 13]  # 2/3 and 3/4 beat 1/3 and 1/4

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from data_prep.prep import load_examples
+from data_prep.prep import assistant_token_counts, load_examples
 from eagle import EagleHead, HeadConfig, TargetModel, load_target
 from eagle.checkpoint import load_head, save_head
 from eagle.features import features_path, load_features, save_features
@@ -133,13 +133,16 @@ def target_features(target: TargetModel, rows, desc: str, layers: list[int] | No
     return out
 
 
-def draft_vocab(rows, vocab_size: int, n: int) -> torch.Tensor | None:
-    """The n most frequent assistant tokens of the training rows (sorted ids), or None for the full vocabulary."""
+def draft_vocab(rows, vocab_size: int, n: int, extra_counts: torch.Tensor | None = None) -> torch.Tensor | None:
+    """The n most frequent assistant tokens of the training rows (sorted ids), or None for the full vocabulary.
+    With `extra_counts` (token counts of a larger text sample) each source's frequencies weigh half."""
     if n <= 0 or n >= vocab_size:
         return None
     counts = torch.zeros(vocab_size)
     for ids, mask in rows:
         counts.index_add_(0, ids[mask], torch.ones(int(mask.sum())))
+    if extra_counts is not None and extra_counts.sum() > 0:
+        counts = counts / counts.sum().clamp(min=1) + extra_counts / extra_counts.sum()
     return counts.topk(n).indices.sort().values
 
 
@@ -318,7 +321,11 @@ def train(cfg: TrainConfig, target: TargetModel | None = None) -> dict:
         head = load_head(run / "checkpoint" / "head", device=accelerator.device, dtype=dtype).attach(target)
     else:
         torch.manual_seed(cfg.seed)
-        vocab = draft_vocab(rows, target.vocab_size, cfg.model.draft_vocab)
+        extra = None
+        if cfg.model.draft_vocab and cfg.model.vocab_counts:
+            extra = assistant_token_counts(target.tokenizer, cfg.model.vocab_counts, cfg.model.vocab_count_rows,
+                                           target.vocab_size)
+        vocab = draft_vocab(rows, target.vocab_size, cfg.model.draft_vocab, extra)
         extra_cfg = {} if layers is None else {"head_type": "eagle3", "feature_layer_ids": layers}
         hcfg = HeadConfig.for_target(target, draft_vocab_size=0 if vocab is None else vocab.shape[0], **extra_cfg)
         head = make_head(hcfg).to(device=accelerator.device, dtype=dtype).attach(target)
