@@ -8,6 +8,11 @@
 - `rows_gated`: a gated MLP's `silu(x @ G.T) * (x @ U.T)` in one pass over both weights.
 - `rms_norm`: an RMS norm of each row in one call (the stock module is eight small torch ops).
 - `attend`: attention of a few query rows over the KV cache, grouped-query heads read in place.
+- `rope_`: the rotary embedding in place.
+- `attention_block` and `decoder_layer`: a whole Llama-style attention module (products, rotary embedding, cache
+  write, attention) or decoder layer (norms, attention, gated MLP, residual sums) in one call, made of the
+  functions above: on this CPU each Python-level step around a C call costs microseconds, and these calls took
+  about a quarter off a one-token pass (BENCHMARKS.md).
 
 Every output row is computed alone, in the same order whatever the number of rows (fixed accumulators, a fixed
 reduction, masked keys adding exact zeros), so a verification pass over M tokens gives each token exactly the bits

@@ -20,7 +20,10 @@ norm that scales by `1 + weight`, or another activation, keeps its stock forward
 the row counts where the plan chose the kernel for its gate projection. Llama-style attention modules (q / k / v /
 o projections and nothing else) get a forward that does the same steps with far fewer torch operations (the
 rotary embedding in one C call, the products called directly): on this machine a step's Python and torch
-overhead around the C calls was ~10 ms of ~60 (BENCHMARKS.md).
+overhead around the C calls was ~10 ms of ~60 (BENCHMARKS.md). A decoder layer whose two norms, attention and
+MLP are all patched runs in one C call (`cpukernel.decoder_layer`, bit for bit what its parts compute) for one
+sequence of up to 32 rows with a preallocated cache, after a check with random rows and a cache that it computes
+what the layer's own forward does; an attention module alone likewise (`cpukernel.attention_block`).
 
 The plan is cached per machine, thread count, torch version, set of shapes and available layouts under
 `$EAGLE_CACHE/fastlinear/`.
@@ -264,10 +267,10 @@ def _attention_kernel(self: nn.Module, x: torch.Tensor, position_embeddings, mas
 
 
 def _cache_slot(attn: nn.Module, x: torch.Tensor, pe, mask, cache):
-    """Where `_fused_attention` / `_fused_layer` may run attention module `attn` in C: (cache layer, rows already
-    cached) when x is one sequence of float32 rows for which the plan chose the kernel for every product, `gqa_sdpa`
-    attention, a preallocated cache layer with room for the new rows, rotary tables and a mask the kernel reads
-    (no mask only for one row), nothing that needs gradients; else None."""
+    """Where `_fused_attention` / `_fast_layer_forward` may run attention module `attn` in C: (cache layer, rows
+    already cached) when x is one sequence of at most 32 float32 rows, `gqa_sdpa` attention, a preallocated cache
+    layer with room for the new rows, rotary tables and a mask the kernel reads (no mask only for one row), nothing
+    that needs gradients; else None. (The callers check first that the plan chose the kernel for every product.)"""
     if x.dim() != 3 or x.shape[0] != 1 or x.shape[1] > ATTENTION_ROWS or cache is None or pe is None:
         return None
     m = x.shape[1]
@@ -450,12 +453,12 @@ def _layer_same_as_stock(mod: nn.Module) -> bool:
     hid = mod._fused_parts[1]["weight"].shape[0]
     gen = torch.Generator().manual_seed(0)
     past_k, past_v = torch.randn(2, 1, kv_heads, 3, d, generator=gen)
-    caches = [preallocated_cache() for _ in range(2)]
-    for cache in caches:
-        for i in range(attn.layer_idx + 1):
-            cache.update(past_k.clone(), past_v.clone(), i)
-    cache_kw = "cache" if "cache" in inspect.signature(type(mod).forward).parameters else "past_key_values"
     try:
+        caches = [preallocated_cache() for _ in range(2)]
+        for cache in caches:
+            for i in range(attn.layer_idx + 1):
+                cache.update(past_k.clone(), past_v.clone(), i)
+        cache_kw = "cache" if "cache" in inspect.signature(type(mod).forward).parameters else "past_key_values"
         with torch.no_grad():
             for m, mask in ((2, torch.ones(2, 5, dtype=torch.bool).tril(3)[None, None]), (1, None)):
                 x = torch.randn(1, m, hid, generator=gen)
