@@ -28,7 +28,7 @@ demo: setup
 		--regenerate --max-turns 1 --max-new-tokens 192 --max-length 448 --regen-batch-size 128
 	$(BIN)/eagle train --config configs/smollm2-135m-eagle1.yaml budget.minutes=$(DEMO_MINUTES)
 	$(BIN)/eagle eval --target smollm2-135m --draft $(DEMO)/head --data $(DEMO)/data/val_conversations.jsonl \
-		--num-prompts 8 --max-new-tokens 128 --mode chain --num-speculative-tokens 3 --out $(DEMO)/eval
+		--num-prompts 8 --max-new-tokens 128 --mode chain --num-speculative-tokens 2 --out $(DEMO)/eval
 
 test: setup
 	$(BIN)/python -m pytest -q
