@@ -522,6 +522,11 @@ def _ptr(t: torch.Tensor | None):
     return None if t is None else t.data_ptr()
 
 
+def _mask_rows(mask: torch.Tensor | None) -> tuple[int, int]:
+    """(mask kind, row stride) of a [1, 1, M, L] attention mask for the C calls: 0 none, 1 bool, 2 additive."""
+    return (0, 0) if mask is None else (1 if mask.dtype == torch.bool else 2, mask.stride(2))
+
+
 _local = threading.local()
 
 
@@ -545,7 +550,7 @@ def attention_block(x: torch.Tensor, projs: tuple, heads: int, kv_heads: int, he
     m, hid = x.shape[1], x.shape[2]
     y = x.new_empty(1, m, projs[6].shape[0])
     work = _scratch(m * (2 * heads + 2 * kv_heads) * head_dim)
-    kind, mask_sm = (0, 0) if mask is None else (1 if mask.dtype == torch.bool else 2, mask.stride(2))
+    kind, mask_sm = _mask_rows(mask)
     (_lib or library()).attention_block(
         x.data_ptr(), m, hid, *[_ptr(t) for t in projs], heads, kv_heads, head_dim, cos.data_ptr(), sin.data_ptr(),
         k_buf.data_ptr(), v_buf.data_ptr(), k_buf.stride(1), past, _ptr(mask), kind, mask_sm, scale,
@@ -563,7 +568,7 @@ def decoder_layer(x: torch.Tensor, norms: tuple, projs: tuple, mlp: tuple, heads
     inter = mlp[0].shape[0]
     y = x.new_empty(1, m, hid)
     work = _scratch(m * (3 * hid + inter + (2 * heads + 2 * kv_heads) * head_dim))
-    kind, mask_sm = (0, 0) if mask is None else (1 if mask.dtype == torch.bool else 2, mask.stride(2))
+    kind, mask_sm = _mask_rows(mask)
     (_lib or library()).decoder_layer(
         x.data_ptr(), m, hid, norms[0].data_ptr(), norms[1], norms[2].data_ptr(), norms[3],
         *[_ptr(t) for t in projs], heads, kv_heads, head_dim, cos.data_ptr(), sin.data_ptr(),

@@ -320,10 +320,21 @@ def _fused_attention(self: nn.Module, x: torch.Tensor, pe, mask, cache) -> torch
     if slot is None:
         return None
     layer, past = slot
-    end, k_buf, v_buf = past + x.shape[1], layer._k, layer._v
-    y = cpukernel.attention_block(x, _projections(self), *self._fused_dims, pe[0], pe[1], k_buf, v_buf, past, mask,
-                                  self.scaling)
-    layer.keys, layer.values = k_buf[:, :, :end], v_buf[:, :, :end]
+    y = cpukernel.attention_block(x, _projections(self), *self._fused_dims, pe[0], pe[1], layer._k, layer._v, past,
+                                  mask, self.scaling)
+    layer.filled(past + x.shape[1])
+    return y
+
+
+def _layer_in_one_call(self: nn.Module, x: torch.Tensor, pe, mask, layer: PreallocatedLayer, past: int):
+    """`cpukernel.decoder_layer` on a planned decoder layer (`_plan_fused_layer`), writing the new keys and values
+    into the cache layer after its `past` positions."""
+    attn, norm1, norm2, gate, up, down = self._fused_parts
+    y = cpukernel.decoder_layer(
+        x, (norm1["weight"], self._fused_eps[0], norm2["weight"], self._fused_eps[1]), _projections(attn),
+        (gate["weight"], up["weight"], down["weight"]), *attn._fused_dims, pe[0], pe[1], layer._k, layer._v, past,
+        mask, attn.scaling)
+    layer.filled(past + x.shape[1])
     return y
 
 
@@ -332,20 +343,11 @@ def _fast_layer_forward(self: nn.Module, hidden_states: torch.Tensor, *args, **k
     (whose norms, attention and MLP are patched themselves)."""
     x = hidden_states
     if not args and x.dim() == 3 and x.shape[1] <= MAX_ROWS and self._fused_rows[x.shape[1]]:
-        attn = self._fused_parts[0]
         cache = kwargs["cache"] if "cache" in kwargs else kwargs.get("past_key_values")
         pe, mask = kwargs.get("position_embeddings"), kwargs.get("attention_mask")
-        slot = _cache_slot(attn, x, pe, mask, cache)
+        slot = _cache_slot(self._fused_parts[0], x, pe, mask, cache)
         if slot is not None:
-            layer, past = slot
-            _, norm1, norm2, gate, up, down = self._fused_parts
-            k_buf, v_buf, end = layer._k, layer._v, past + x.shape[1]
-            y = cpukernel.decoder_layer(
-                x, (norm1["weight"], self._fused_eps[0], norm2["weight"], self._fused_eps[1]), _projections(attn),
-                (gate["weight"], up["weight"], down["weight"]), *attn._fused_dims, pe[0], pe[1], k_buf, v_buf, past,
-                mask, attn.scaling)
-            layer.keys, layer.values = k_buf[:, :, :end], v_buf[:, :, :end]
-            return y
+            return _layer_in_one_call(self, x, pe, mask, *slot)
     return type(self).forward(self, hidden_states, *args, **kwargs)
 
 
@@ -449,7 +451,7 @@ def _layer_same_as_stock(mod: nn.Module) -> bool:
     rows after three cached ones with a causal mask, then one more row without a mask, on random inputs, each
     path with its own preallocated cache holding the same past."""
     attn = mod._fused_parts[0]
-    heads, kv_heads, d = attn._fused_dims
+    kv_heads, d = attn._fused_dims[1:]
     hid = mod._fused_parts[1]["weight"].shape[0]
     gen = torch.Generator().manual_seed(0)
     past_k, past_v = torch.randn(2, 1, kv_heads, 3, d, generator=gen)
@@ -468,13 +470,7 @@ def _layer_same_as_stock(mod: nn.Module) -> bool:
                                          **{cache_kw: caches[0]})
                 want = want[0] if isinstance(want, tuple) else want
                 layer = caches[1].layers[attn.layer_idx]
-                past = layer.keys.shape[-2]
-                _, norm1, norm2, gate, up, down = mod._fused_parts
-                got = cpukernel.decoder_layer(
-                    x, (norm1["weight"], mod._fused_eps[0], norm2["weight"], mod._fused_eps[1]), _projections(attn),
-                    (gate["weight"], up["weight"], down["weight"]), heads, kv_heads, d, pe[0], pe[1], layer._k,
-                    layer._v, past, mask, attn.scaling)
-                layer.keys, layer.values = layer._k[:, :, :past + m], layer._v[:, :, :past + m]
+                got = _layer_in_one_call(mod, x, pe, mask, layer, layer.keys.shape[-2])
                 if not (got.shape == want.shape and torch.allclose(got, want, rtol=1e-4, atol=1e-4 * hid ** 0.5)):
                     return False
     except (TypeError, ValueError, RuntimeError, AttributeError, IndexError, KeyError):

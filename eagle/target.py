@@ -249,6 +249,10 @@ class PreallocatedLayer(DynamicLayer):
             self._k, self._v = k, v
         self._k[..., n:end, :] = key_states
         self._v[..., n:end, :] = value_states
+        return self.filled(end)
+
+    def filled(self, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The buffers hold `end` positions now (written in place, here or by a kernel): keys / values view them."""
         self.keys, self.values = self._k[..., :end, :], self._v[..., :end, :]
         return self.keys, self.values
 
