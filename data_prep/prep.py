@@ -50,6 +50,9 @@ class PrepConfig:
     regenerate: bool = False       # rewrite the assistant replies with the target's greedy replies
     max_new_tokens: int = 256      # per regenerated reply
     regen_batch_size: int = 32
+    # Regeneration starts no new batch after this many minutes (0: no limit); the rows it did not reach are
+    # dropped as time_budget. The rows are then as many as the machine can write in that time.
+    max_minutes: float = 0.0
     max_length: int = 2048         # rows longer than this (in tokens) are dropped as too_long, never cut
     val_fraction: float = 0.05
     seed: int = 0                  # for the train / validation split
@@ -127,6 +130,9 @@ def _check_config(cfg: PrepConfig) -> None:
         raise DataError(f"max_length and max_rows must be positive, got {cfg.max_length} and {cfg.max_rows}")
     if cfg.max_turns is not None and cfg.max_turns <= 0:
         raise DataError(f"max_turns must be positive or None, got {cfg.max_turns}")
+    if cfg.max_minutes < 0 or (cfg.max_minutes and not cfg.regenerate):
+        raise DataError(f"max_minutes {cfg.max_minutes}: bounds regeneration, so it needs regenerate=true and a "
+                        f"value >= 0")
     if cfg.regenerate and cfg.max_length <= cfg.max_new_tokens:
         raise DataError(f"max_length {cfg.max_length} leaves no room for a prompt with "
                         f"max_new_tokens {cfg.max_new_tokens}")
@@ -157,7 +163,8 @@ def prepare(cfg: PrepConfig, target=None) -> PrepSummary:
         # A prompt longer than this cannot give a row that surely fits in max_length.
         max_prompt = cfg.max_length - cfg.max_new_tokens
         regen = regenerate_with_stats(target, convs, cfg.max_new_tokens, cfg.regen_batch_size, max_prompt,
-                                      cfg.max_turns, keep_features=cfg.save_features and one_turn)
+                                      cfg.max_turns, keep_features=cfg.save_features and one_turn,
+                                      max_seconds=cfg.max_minutes * 60 if cfg.max_minutes else None)
         replies, convs, ended = regen.replies, regen.conversations, regen.ended
         if one_turn:
             single = regen.last_turn

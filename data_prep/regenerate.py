@@ -58,7 +58,8 @@ class Reply:
 
 @torch.inference_mode()
 def greedy_replies(target, prompts: list[list[int]], max_new_tokens: int, batch_size: int, pad_id: int,
-                   eos: set[int], keep_features: bool = False, on_reply=None) -> list[Reply]:
+                   eos: set[int], keep_features: bool = False, on_reply=None,
+                   deadline: float | None = None) -> list[Reply | None]:
     """Greedy continuations of token-id prompts, in batches of similar length (left padding).
 
     Our own loop rather than transformers' `generate`: the KV cache is written in place (no copy of the whole
@@ -66,11 +67,21 @@ def greedy_replies(target, prompts: list[list[int]], max_new_tokens: int, batch_
     kept, which saves training a second pass over the same tokens. With 128 rows a step took 0.54 s against
     1.15 s with a concatenating cache (BENCHMARKS.md). `on_reply(i, reply)` is called as each
     prompt's reply is done.
+
+    With a `deadline` (a `time.perf_counter()` value) no batch starts after it, and the prompts never started get
+    None. Batches are then taken in input order (sorted by length only within a batch), so what gets done is a
+    prefix of the input rather than its shortest prompts.
     """
     out: list[Reply | None] = [None] * len(prompts)
-    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    if deadline is None:
+        order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    else:
+        order = [i for b in range(0, len(prompts), batch_size)
+                 for i in sorted(range(b, min(b + batch_size, len(prompts))), key=lambda i: len(prompts[i]))]
     dev = target.device
     for b in range(0, len(order), batch_size):
+        if deadline is not None and time.perf_counter() >= deadline:
+            break
         rows = order[b: b + batch_size]
         # 1. Prefill the left-padded prompts; every row's next token is then the last column's argmax.
         width = max(len(prompts[i]) for i in rows)
@@ -125,11 +136,11 @@ def greedy_replies(target, prompts: list[list[int]], max_new_tokens: int, batch_
 
 def regenerate_with_stats(target, conversations: list[list[dict]], max_new_tokens: int, batch_size: int = 32,
                           max_prompt_tokens: int = 1024, max_turns: int | None = 1,
-                          keep_features: bool = False) -> RegenResult:
+                          keep_features: bool = False, max_seconds: float | None = None) -> RegenResult:
     """Like `regenerate`, returning counts too. A conversation whose prompt for turn k is longer than
-    `max_prompt_tokens`, that the template rejects, or whose reply k is empty, ends before user turn k (the reason
-    is in `ended`); one that ends
-    before its first reply is returned without any assistant message, and the caller drops it."""
+    `max_prompt_tokens`, that the template rejects, whose reply k is empty, or that `max_seconds` of generation
+    did not reach, ends before user turn k (the reason is in `ended`); one that ends before its first reply is
+    returned without any assistant message, and the caller drops it."""
     tok = target.tokenizer
     check_chat_template(tok)
     eos = set(target.eos_ids)
@@ -151,7 +162,8 @@ def regenerate_with_stats(target, conversations: list[list[dict]], max_new_token
         enable_fast_linear(target.model)
     try:
         _regenerate_turns(target, parts, done, active, result, bar, n_turns, max_new_tokens, batch_size,
-                          max_prompt_tokens, pad_id, eos, t0, keep_features)
+                          max_prompt_tokens, pad_id, eos, t0, keep_features,
+                          None if max_seconds is None else t0 + max_seconds)
     finally:
         if patched:
             disable_fast_linear(target.model)
@@ -161,7 +173,7 @@ def regenerate_with_stats(target, conversations: list[list[dict]], max_new_token
 
 
 def _regenerate_turns(target, parts, done, active, result, bar, n_turns, max_new_tokens, batch_size,
-                      max_prompt_tokens, pad_id, eos, t0, keep_features) -> None:
+                      max_prompt_tokens, pad_id, eos, t0, keep_features, deadline) -> None:
     tok = target.tokenizer
     with torch.inference_mode():
         for k in range(n_turns):
@@ -204,8 +216,12 @@ def _regenerate_turns(target, parts, done, active, result, bar, n_turns, max_new
                 bar.set_postfix(tok_s=f"{result.new_tokens / max(time.perf_counter() - t0, 1e-9):.1f}", turn=k + 1,
                                 refresh=False)
 
-            greedy_replies(target, [ids for _, ids in prompts], max_new_tokens, batch_size, pad_id, eos,
-                           keep_features and k == n_turns - 1, finished)
+            replies = greedy_replies(target, [ids for _, ids in prompts], max_new_tokens, batch_size, pad_id, eos,
+                                     keep_features and k == n_turns - 1, finished, deadline)
+            for (i, _), reply in zip(prompts, replies):
+                if reply is None:  # the time budget ran out before its batch
+                    result.ended[i] = "time_budget"
+                    bar.total -= min(len(parts[i][1]), n_turns) - k
             active = sorted(still)
 
 

@@ -451,6 +451,39 @@ def test_greedy_replies_match_plain_greedy_and_keep_the_features(tiny_target):
         assert not r.features[-1].any()
 
 
+def test_a_regeneration_deadline_keeps_a_prefix_of_the_prompts(tiny_target, monkeypatch):
+    """No batch starts after the deadline; batches then follow the input order, so the prompts done are the first
+    ones, each with the reply it gets without a deadline, and the rest get None."""
+    import sys
+    import types
+
+    from data_prep.regenerate import greedy_replies
+
+    regen_mod = sys.modules["data_prep.regenerate"]  # the package exports a function of the same name
+
+    tok = tiny_target.tokenizer
+    prompts = [tok(t, add_special_tokens=False)["input_ids"] for t in
+               ["Tell me a story about cats", "Hi", "What is the capital of France?", "Hello there", "Why?"]]
+    args = (tiny_target, prompts, 5, 2, tok.pad_token_id, {tok.eos_token_id})
+    plain = greedy_replies(*args)
+    clock = iter(range(100))  # each deadline check reads the next second: batches start at 0 and 1, not at 2
+    monkeypatch.setattr(regen_mod, "time", types.SimpleNamespace(perf_counter=lambda: next(clock)))
+    got = greedy_replies(*args, deadline=2)
+    assert [r.new_ids for r in got[:4]] == [r.new_ids for r in plain[:4]] and got[4] is None
+
+
+def test_a_spent_time_budget_ends_every_conversation_and_prep_checks_it(tiny_target, tmp_path):
+    convs = [[{"role": "user", "content": f"Question {i}?"}] for i in range(3)]
+    res = regenerate_with_stats(tiny_target, convs, max_new_tokens=4, max_seconds=0)
+    assert res.replies == 0 and res.ended == ["time_budget"] * 3
+    data = write_jsonl(tmp_path / "prompts.jsonl", [{"turns": ["Hi?"]}])
+    with pytest.raises(DataError, match="max_minutes 5: bounds regeneration"):
+        prepare(PrepConfig(target="tiny", data=str(data), out=str(tmp_path / "o"), max_minutes=5), tiny_target)
+    with pytest.raises(DataError, match="no usable rows.*time_budget"):
+        prepare(PrepConfig(target="tiny", data=str(data), out=str(tmp_path / "o"), regenerate=True,
+                           max_new_tokens=4, max_length=64, max_minutes=1e-9), tiny_target)
+
+
 def test_prepare_single_turn_rows_are_the_generated_ids_with_their_features(tiny_target, tmp_path):
     """A one-turn regenerated row is prompt ids + reply ids (mask on the reply); its features land beside the rows
     under the name training looks for, so training loads them instead of running the target again."""
