@@ -1,0 +1,92 @@
+"""Does decoding lose anything at depth? A head's agreement with the target at each draft depth, teacher-forced
+on held-out rows, next to chain decoding's acceptance at each position on the same rows' prompts.
+
+    .venv/bin/python benchmarks/depth_agreement.py --draft runs/demo/head --prepared runs/demo/data --rows 8 --k 4
+
+Teacher-forced, depth s: the head is unrolled s steps on its own predicted features (the training-time test's
+attention, `train.loop.unrolled_mask`) with the true tokens as inputs, over the held-out rows (the target's own
+greedy text when they were regenerated). Depth s agrees at position p when the head's depth-s token equals the
+target's argmax; the rate printed is conditional, as chain acceptance is: among positions where depths 1..s-1
+agreed (in a chain, a draft is only checked when every draft before it was accepted).
+
+Decoding: chain decoding with k drafts of the same rows' prompts (their first user turn), 128 new tokens; its
+acceptance at position s is the fraction of rounds that accepted draft s among those that accepted drafts
+1..s-1. The decoder and the rows see the same text, so the two columns should agree up to sampling noise; a
+gap at depth > 1 would mean drafting does not reproduce what the head was trained on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+from eagle import EagleHead, HeadCache, load_target
+from infer import SpeculativeDecoder
+from infer.evaluate import load_prompts
+from train.config import TrainConfig
+from train.loop import cached_features, load_rows, unrolled_mask
+
+
+@torch.inference_mode()
+def teacher_forced(head, target, rows, feats, depths: int) -> list[tuple[int, int]]:
+    """(agreeing, checked) at each depth, conditional on the depths before it agreeing."""
+    W = target.lm_head.weight
+    counts = [[0, 0] for _ in range(depths)]
+    for (ids, mask), f in zip(rows, feats):
+        ids, f = ids[None], f[None].to(W.dtype)
+        n = ids.shape[1] - 1
+        pos, cache = torch.arange(n)[None], HeadCache()
+        truth = (f[0, 1:] @ W.T).argmax(-1)[:-1]  # the target's token p + 2, from its feature p + 1
+        scored = mask[2:]
+        ok, x, pred = [], f[:, :-1], None
+        for s in range(1, depths + 1):
+            if s > 1:  # step s at position p reads step s-1's prediction made at p - 1
+                x = torch.cat([torch.zeros_like(pred[:, :1]), pred[:, :-1]], dim=1)
+            pred = head(x, ids[:, 1:], pos, cache=cache, mask=None if s == 1 else unrolled_mask(n, s))
+            ok.append(head.to_target_ids(head.logits(pred[0]).argmax(-1))[:-1] == truth)
+        L = truth.shape[0]
+        for s in range(depths):  # a chain drafted at position p checks depth j + 1 at position p + j
+            for p in range(L - s):
+                if all(scored[p + j] for j in range(s + 1)) and all(ok[j][p + j] for j in range(s)):
+                    counts[s][1] += 1
+                    counts[s][0] += int(ok[s][p + s])
+    return [tuple(c) for c in counts]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--target", default="smollm2-135m")
+    ap.add_argument("--draft", required=True)
+    ap.add_argument("--prepared", required=True, help="a directory written by `eagle prep` (its held-out rows)")
+    ap.add_argument("--rows", type=int, default=8)
+    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    args = ap.parse_args()
+    target = load_target(args.target)
+    head = EagleHead.from_pretrained(args.draft).attach(target).eval()
+    if head.config.head_type != "eagle1":
+        raise SystemExit(f"--draft {args.draft}: an EAGLE-1/2 head is needed (its depth-s input is its own feature)")
+    cfg = TrainConfig()
+    rows = load_rows(cfg, "val", args.prepared)[: args.rows]
+    feats = cached_features(target, load_rows(cfg, "val", args.prepared), Path(args.prepared), "val")[: args.rows]
+    tf = teacher_forced(head, target, rows, feats, args.k)
+    prompts = load_prompts(str(Path(args.prepared) / "val_conversations.jsonl"), args.rows)
+    dec = SpeculativeDecoder(target, head)
+    lengths = []
+    for p in prompts:
+        lengths += dec.generate(p["prompt"], args.max_new_tokens, num_speculative_tokens=args.k).accept_lengths
+    dc = [(sum(a >= s for a in lengths), sum(a >= s - 1 for a in lengths)) for s in range(1, args.k + 1)]
+    print("| depth | teacher-forced agreement | checked | decoding acceptance | rounds |")
+    print("|---|---|---|---|---|")
+    for s in range(args.k):
+        print(f"| {s + 1} | {tf[s][0] / max(tf[s][1], 1):.3f} | {tf[s][1]} | {dc[s][0] / max(dc[s][1], 1):.3f} "
+              f"| {dc[s][1]} |")
+    print(json.dumps({"teacher_forced": [a / max(n, 1) for a, n in tf], "decoding": [a / max(n, 1) for a, n in dc],
+                      "tau": (sum(lengths) + len(lengths)) / max(len(lengths), 1)}))
+
+
+if __name__ == "__main__":
+    main()
