@@ -6,8 +6,7 @@ The Python side of the fast path (`eagle/fastlinear.py`: which forwards are patc
 is taken from the revision; the C kernels and everything else are this tree's, so the comparison isolates the
 patched forwards. Three variants are timed, interleaved round by round (order reversed every other round), after
 a KV cache of --context tokens: the revision's, this tree's without its one-call decoder layers (each layer runs
-its patched norms, attention and MLP), and this tree's; with `--block-rows N ...`, also this tree's with the C
-products going four outputs at a time from N rows on (`cpukernel.set_block_rows`; the same bits).
+its patched norms, attention and MLP), and this tree's.
 The table shows ms per pass (features and logits of every row, speed.py's `pass_ms`) for each number of new
 tokens.
 """
@@ -23,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from eagle import cpukernel, fastlinear, load_target
+from eagle import fastlinear, load_target
 from infer import SpeculativeDecoder
 from speed import pass_ms  # benchmarks/speed.py: one target pass after a cache of `context` tokens
 
@@ -55,26 +54,20 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--passes", type=int, default=3, help="timed passes per variant, row count and round")
-    ap.add_argument("--block-rows", type=int, nargs="*", default=[],
-                    help="also time this tree with products of at least N rows four outputs at a time "
-                         "(cpukernel.set_block_rows), for each N")
     args = ap.parse_args()
     target = load_target(args.target)
     dec = SpeculativeDecoder(target, None)
     dec.use_fast_path(True)  # gqa attention on, and the plan decoding uses (calibrated once per machine)
     plan = fastlinear.load_or_calibrate(target.model, run=dec._calibration_pass)
     old = fastlinear_at(args.against)
-    off = 1 << 30
-    variants = {args.against: (old, False, off), "this tree, layers not in one call": (fastlinear, True, off),
-                "this tree": (fastlinear, False, off)}
-    variants.update({f"this tree, four-output blocks from {n} rows": (fastlinear, False, n) for n in args.block_rows})
+    variants = {args.against: (old, False), "this tree, layers not in one call": (fastlinear, True),
+                "this tree": (fastlinear, False)}
     times: dict[tuple[str, int], list[float]] = {(v, r): [] for v in variants for r in args.rows}
     for rnd in range(args.rounds):
         order = list(variants.items())
-        for name, (module, unfused, block_rows) in order if rnd % 2 == 0 else order[::-1]:
+        for name, (module, unfused) in order if rnd % 2 == 0 else order[::-1]:
             fastlinear.disable_fast_linear(target.model)
             module.enable_fast_linear(target.model, plan)
-            cpukernel.set_block_rows(block_rows)
             if unfused:
                 unfuse_layers(target.model)
             # pass_ms keeps these patches: use_fast_path(True) patches only a model that has none

@@ -128,64 +128,6 @@ static inline void dot_rows(const float *w, const float *X, int64_t in_f, int64_
     }
 }
 
-/* Four outputs (weight rows w, w + in_f, .., w + 3 in_f) against R input rows: out[r * 4 + q] is dot_rows' sum for
-   weight row q and input row r, bit for bit. dot_rows keeps four accumulators per sum, accumulator j taking the
-   products i = 32 t + 8 j + l in increasing t; here the 4 R sums advance one accumulator group j at a time (all t
-   for j = 0, then j = 1, ...), so every accumulator sees the same products in the same order, while each loaded
-   weight vector serves R rows and each input vector 4 outputs: 4 + R loads per 4 R FMAs, against 3 per 2 in
-   dot_rows' pair loop. From a few rows on the products are bound by those loads, not by memory, on a CPU that
-   reads memory fast (BENCHMARKS.md). The j-passes re-read the 4 weight rows from L1. */
-#define BLOCK4(R)                                                                                                   \
-static __attribute__((noinline)) void block4x##R(const float *w, int64_t in_f, const float *X, float *out) {        \
-    v8 part[4][4][R];                                                                                               \
-    for (int j = 0; j < 4; j++) {                                                                                   \
-        v8 a[4][R];                                                                                                 \
-        for (int q = 0; q < 4; q++) for (int r = 0; r < R; r++) a[q][r] = (v8){0};                                  \
-        for (int64_t i = 8 * j; i < in_f; i += 32) {                                                                \
-            v8 wv[4], xv[R];                                                                                        \
-            for (int q = 0; q < 4; q++) wv[q] = load8(w + q * in_f + i);                                            \
-            for (int r = 0; r < R; r++) xv[r] = load8(X + r * in_f + i);                                            \
-            for (int q = 0; q < 4; q++) for (int r = 0; r < R; r++) a[q][r] = madd(a[q][r], wv[q], xv[r]);          \
-        }                                                                                                           \
-        for (int q = 0; q < 4; q++) for (int r = 0; r < R; r++) part[j][q][r] = a[q][r];                            \
-    }                                                                                                               \
-    for (int r = 0; r < R; r++) for (int q = 0; q < 4; q++)                                                         \
-        out[r * 4 + q] = reduce(part[0][q][r], part[1][q][r], part[2][q][r], part[3][q][r]);                        \
-}
-BLOCK4(1) BLOCK4(2) BLOCK4(3) BLOCK4(4)
-#undef BLOCK4
-
-/* From this many rows on, products go four outputs at a time (block4x*); below, one output at a time (dot_rows).
-   Set by set_block_rows (a measured choice per machine); the results are the same bits either way. */
-static int64_t block_rows = 1 << 30;
-void set_block_rows(int64_t m) { block_rows = m; }
-
-/* acc[m * 4 + q] = dot_rows' sum for weight row q of w and input row m, for m < M. */
-static inline void dot_rows4(const float *w, const float *X, int64_t in_f, int64_t M, float *acc) {
-    for (int64_t m = 0; m < M; m += 4) {
-        const int64_t r = M - m < 4 ? M - m : 4;
-        const float *x = X + m * in_f;
-        if (r == 4) block4x4(w, in_f, x, acc + m * 4);
-        else if (r == 3) block4x3(w, in_f, x, acc + m * 4);
-        else if (r == 2) block4x2(w, in_f, x, acc + m * 4);
-        else block4x1(w, in_f, x, acc + m * 4);
-    }
-}
-
-/* Y[m, o + q] = sum_i W[o + q, i] X[m, i] (+ B[o + q]) for m < M and q < 4, as linear_out computes each. */
-static inline void linear_out4(const float *W, const float *X, const float *B, float *Y,
-                               int64_t o, int64_t out_f, int64_t in_f, int64_t M) {
-    float acc[CHUNK * 4];
-    for (int64_t m0 = 0; m0 < M; m0 += CHUNK) {
-        int64_t n = M - m0 < CHUNK ? M - m0 : CHUNK;
-        dot_rows4(W + o * in_f, X + m0 * in_f, in_f, n, acc);
-        for (int64_t q = 0; q < 4; q++) {
-            const float bias = B ? B[o + q] : 0.0f;
-            for (int64_t m = 0; m < n; m++) Y[(m0 + m) * out_f + o + q] = acc[m * 4 + q] + bias;
-        }
-    }
-}
-
 /* Y[m, o] = sum_i W[o, i] X[m, i] (+ B[o]) for m < M and one output o. */
 static inline void linear_out(const float *W, const float *X, const float *B, float *Y,
                               int64_t o, int64_t out_f, int64_t in_f, int64_t M) {
@@ -201,11 +143,6 @@ static inline void linear_out(const float *W, const float *X, const float *B, fl
 /* Y[m, o] = sum_i W[o, i] X[m, i] (+ B[o]) for m < M. Output rows are split over the threads. */
 void rows_linear(const float *W, const float *X, const float *B, float *Y,
                  int64_t out_f, int64_t in_f, int64_t M, int nthreads) {
-    if (M >= block_rows && out_f % 4 == 0) {
-        #pragma omp parallel for num_threads(nthreads) schedule(static)
-        for (int64_t o = 0; o < out_f; o += 4) linear_out4(W, X, B, Y, o, out_f, in_f, M);
-        return;
-    }
     #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t o = 0; o < out_f; o++) linear_out(W, X, B, Y, o, out_f, in_f, M);
 }
@@ -213,23 +150,6 @@ void rows_linear(const float *W, const float *X, const float *B, float *Y,
 /* A gated MLP's first half: Y[m, o] = silu(G[o] . X[m]) * (U[o] . X[m]), reading rows o of G and U together. */
 void rows_gated(const float *G, const float *U, const float *X, float *Y,
                 int64_t out_f, int64_t in_f, int64_t M, int nthreads) {
-    if (M >= block_rows && out_f % 4 == 0) {
-        #pragma omp parallel for num_threads(nthreads) schedule(static)
-        for (int64_t o = 0; o < out_f; o += 4) {
-            float g[CHUNK * 4], u[CHUNK * 4];
-            for (int64_t m0 = 0; m0 < M; m0 += CHUNK) {
-                int64_t n = M - m0 < CHUNK ? M - m0 : CHUNK;
-                dot_rows4(G + o * in_f, X + m0 * in_f, in_f, n, g);
-                dot_rows4(U + o * in_f, X + m0 * in_f, in_f, n, u);
-                for (int64_t q = 0; q < 4; q++)
-                    for (int64_t m = 0; m < n; m++) {
-                        const float gm = g[m * 4 + q], um = u[m * 4 + q];
-                        Y[(m0 + m) * out_f + o + q] = gm / (1.0f + expf(-gm)) * um;
-                    }
-            }
-        }
-        return;
-    }
     #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t o = 0; o < out_f; o++) {
         float g[CHUNK], u[CHUNK];
@@ -387,20 +307,11 @@ void attention_block(const float *X, int64_t M, int64_t hid,
                      float *work, float *Y, int nthreads) {
     const int64_t nq = H * D, nk = Hkv * D;
     float *Q = work, *Kn = Q + M * nq, *Vn = Kn + M * nk, *A = Vn + M * nk;
-    if (M >= block_rows && nq % 4 == 0 && nk % 4 == 0) {
-        #pragma omp parallel for num_threads(nthreads) schedule(static)
-        for (int64_t o = 0; o < nq + 2 * nk; o += 4) {
-            if (o < nq) linear_out4(Wq, X, Bq, Q, o, nq, hid, M);
-            else if (o < nq + nk) linear_out4(Wk, X, Bk, Kn, o - nq, nk, hid, M);
-            else linear_out4(Wv, X, Bv, Vn, o - nq - nk, nk, hid, M);
-        }
-    } else {
-        #pragma omp parallel for num_threads(nthreads) schedule(static)
-        for (int64_t o = 0; o < nq + 2 * nk; o++) {
-            if (o < nq) linear_out(Wq, X, Bq, Q, o, nq, hid, M);
-            else if (o < nq + nk) linear_out(Wk, X, Bk, Kn, o - nq, nk, hid, M);
-            else linear_out(Wv, X, Bv, Vn, o - nq - nk, nk, hid, M);
-        }
+    #pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t o = 0; o < nq + 2 * nk; o++) {
+        if (o < nq) linear_out(Wq, X, Bq, Q, o, nq, hid, M);
+        else if (o < nq + nk) linear_out(Wk, X, Bk, Kn, o - nq, nk, hid, M);
+        else linear_out(Wv, X, Bv, Vn, o - nq - nk, nk, hid, M);
     }
     rope(Q, cos, sin, 1, M, H, D, 0);
     rope(Kn, cos, sin, 1, M, Hkv, D, 0);
@@ -502,9 +413,8 @@ def load(path: Path) -> ctypes.CDLL:
     lib.decoder_layer.argtypes = [vp, i64, i64, vp, ctypes.c_float, vp, ctypes.c_float, vp, vp, vp, vp, vp, vp, vp, vp,
                                   i64, i64, i64, vp, vp, vp, vp, i64, i64, vp, ctypes.c_int, i64, ctypes.c_float,
                                   vp, vp, vp, i64, vp, vp, ctypes.c_int]
-    lib.set_block_rows.argtypes = [i64]
     for fn in (lib.rows_linear, lib.rows_gated, lib.rms_norm, lib.rope, lib.attend, lib.attention_block,
-               lib.decoder_layer, lib.set_block_rows):
+               lib.decoder_layer):
         fn.restype = None
     return lib
 
@@ -529,14 +439,6 @@ def library() -> ctypes.CDLL | None:
 
 def available() -> bool:
     return library() is not None
-
-
-def set_block_rows(m: int) -> None:
-    """Products of at least m rows go four outputs at a time (the same bits; from a few rows on, fewer loads per
-    FMA). Off (a huge m) until a measurement on this machine turns it on (eagle.fastlinear)."""
-    lib = library()
-    if lib is not None:
-        lib.set_block_rows(m)
 
 
 def supports(weight: torch.Tensor) -> bool:

@@ -100,10 +100,6 @@ class Plan:
 
     layouts: dict[str, dict[int, str]] = field(default_factory=dict)     # "out x in" -> bucket -> layout
     timings: dict[str, dict[int, dict[str, float]]] = field(default_factory=dict)
-    # the C products of at least this many rows go four outputs at a time (cpukernel.set_block_rows; the same
-    # bits, fewer loads per FMA); 0: never. Chosen by whole passes in `calibrate`.
-    block_rows: int = 0
-    block_timings: dict[int, dict[str, float]] = field(default_factory=dict)  # bucket -> {"rows", "blocks": ms}
 
     def layout(self, weight: torch.Tensor, rows: int) -> str:
         by_bucket = self.layouts.get(_shape_key(weight))
@@ -112,15 +108,12 @@ class Plan:
         return by_bucket[next(b for b in BUCKETS if b >= rows)]
 
     def to_json(self) -> dict:
-        return {"layouts": self.layouts, "timings": self.timings, "block_rows": self.block_rows,
-                "block_timings": self.block_timings}
+        return {"layouts": self.layouts, "timings": self.timings}
 
     @classmethod
     def from_json(cls, d: dict) -> "Plan":
         return cls(layouts={s: {int(b): v for b, v in d2.items()} for s, d2 in d["layouts"].items()},
-                   timings={s: {int(b): v for b, v in d2.items()} for s, d2 in d["timings"].items()},
-                   block_rows=d.get("block_rows", 0),
-                   block_timings={int(b): v for b, v in d.get("block_timings", {}).items()})
+                   timings={s: {int(b): v for b, v in d2.items()} for s, d2 in d["timings"].items()})
 
 
 def _shape_key(weight: torch.Tensor) -> str:
@@ -153,39 +146,7 @@ def calibrate(model: nn.Module, repeats: int = 5, run: Callable[[int], float] | 
             for key, times in per_shape.items():
                 plan.timings[key][rows] = times
                 plan.layouts[key][rows] = min(times, key=times.get)
-        if run is not None and cpukernel.available():
-            _calibrate_blocks(model, plan, repeats, run)
     return plan
-
-
-def _calibrate_blocks(model, plan: Plan, repeats: int, run) -> None:
-    """Whole passes with the chosen layouts, the C products one output at a time against four at a time, at each
-    bucket from 2 rows up to the one-call layers' limit; blocks start after the last bucket they lose at."""
-    off = 1 << 30
-    enable_fast_linear(model, plan)
-    try:
-        for rows in (b for b in BUCKETS if 1 < b <= ATTENTION_ROWS):
-            samples: dict[str, list[float]] = {"rows": [], "blocks": []}
-            for r in range(repeats + 1):
-                for name, start in (("rows", off), ("blocks", 1)):
-                    cpukernel.set_block_rows(start)
-                    seconds = run(rows)
-                    if r:
-                        samples[name].append(seconds * 1e3)
-            plan.block_timings[rows] = {k: round(statistics.median(v), 3) for k, v in samples.items()}
-    finally:
-        cpukernel.set_block_rows(off)
-        disable_fast_linear(model)
-    plan.block_rows = block_start(plan.block_timings)
-
-
-def block_start(block_timings: dict[int, dict[str, float]]) -> int:
-    """The fewest rows from which four-output blocks won at every bucket measured ({bucket: {"rows": ms,
-    "blocks": ms}}), or 0 if they lost at the largest. A bucket b stands for the row counts above the bucket before
-    it, up to b, so blocks that lose at 2 rows and win from 4 on start at 3."""
-    lost = [b for b, t in block_timings.items() if t["blocks"] >= t["rows"]]
-    start = max(lost, default=1) + 1
-    return start if start <= max(block_timings, default=0) else 0
 
 
 def _time_passes(model, groups, rows: int, repeats: int, run) -> dict[str, float]:
@@ -222,7 +183,7 @@ def _time_sweep(mods: list[nn.Linear], rows: int, repeats: int) -> dict[str, flo
 def _plan_path(model: nn.Module, how: str) -> str:
     shapes = sorted({_shape_key(m.weight) + str(m.weight.dtype) for m in _linears(model)})
     ident = json.dumps([platform.processor() or platform.machine(), _cpu_name(), torch.get_num_threads(),
-                        torch.__version__, shapes, how, available_layouts(), "block_rows"])
+                        torch.__version__, shapes, how, available_layouts()])
     return str(cache_root() / "fastlinear" / f"{hashlib.sha1(ident.encode()).hexdigest()[:16]}.json")
 
 
@@ -596,7 +557,6 @@ def enable_fast_linear(model: nn.Module, plan: Plan | None = None, run: Callable
     else the cached or a fresh calibration, by whole passes when `run` is given; see `calibrate`).
     Idempotent: the patch lives on the modules, so whoever calls `disable_fast_linear` restores them."""
     plan = plan or load_or_calibrate(model, run)
-    cpukernel.set_block_rows(plan.block_rows or 1 << 30)  # process-wide, and the same bits either way
     for mod in _linears(model):
         # the layout for every row count, looked up once here instead of on every call
         mod._fast_by_rows = [_fitting(plan.layout(mod.weight, max(rows, 1)), mod.weight)

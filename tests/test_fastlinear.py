@@ -6,8 +6,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from eagle import cpukernel
-from eagle.fastlinear import (BUCKETS, LAYOUTS, Plan, block_start, calibrate, disable_fast_linear,
-                              enable_fast_linear, fast_linear_enabled, linear)
+from eagle.fastlinear import (BUCKETS, LAYOUTS, Plan, calibrate, disable_fast_linear, enable_fast_linear,
+                              fast_linear_enabled, linear)
 from eagle.attention import use_gqa_sdpa
 from infer import SpeculativeDecoder
 from tests.tiny import tiny_head, tiny_target
@@ -38,30 +38,6 @@ def test_kernel_gives_every_row_the_same_bits_whatever_the_row_count():
     for rows in (2, 3, 8, 17):
         assert torch.equal(cpukernel.rows_linear(x[:rows], w, b), alone[:rows])
     assert not cpukernel.supports(torch.randn(8, 20)) and not cpukernel.supports(torch.randn(64, 8).t())
-
-
-@pytest.mark.skipif(not cpukernel.available(), reason="the C kernel does not build here")
-def test_four_output_blocks_give_the_bits_of_one_output_at_a_time():
-    g = torch.Generator().manual_seed(4)
-    for out_f, in_f in ((96, 64), (40, 128), (98, 64)):  # 98: not a multiple of four, so never in blocks
-        w, u, b = (torch.randn(out_f, in_f, generator=g), torch.randn(out_f, in_f, generator=g),
-                   torch.randn(out_f, generator=g))
-        for rows in (1, 2, 3, 4, 5, 7, 8, 13, 17):
-            x = torch.randn(rows, in_f, generator=g)
-            cpukernel.set_block_rows(1 << 30)
-            want = cpukernel.rows_linear(x, w, b), cpukernel.rows_linear(x, w, None), cpukernel.rows_gated(x, w, u)
-            cpukernel.set_block_rows(2)
-            got = cpukernel.rows_linear(x, w, b), cpukernel.rows_linear(x, w, None), cpukernel.rows_gated(x, w, u)
-            assert all(torch.equal(a, c) for a, c in zip(got, want)), (out_f, in_f, rows)
-    cpukernel.set_block_rows(1 << 30)
-
-
-def test_blocks_start_after_the_last_bucket_they_lose_at():
-    t = lambda rows, blocks: {"rows": rows, "blocks": blocks}  # noqa: E731
-    assert block_start({2: t(9, 8), 4: t(12, 10), 8: t(20, 15)}) == 2
-    assert block_start({2: t(9, 9.5), 4: t(12, 10), 8: t(20, 15)}) == 3
-    assert block_start({2: t(9, 8), 4: t(12, 13), 8: t(20, 15)}) == 5
-    assert block_start({2: t(9, 8), 4: t(12, 10), 8: t(20, 21)}) == 0 and block_start({}) == 0
 
 
 def test_plan_covers_every_shape_and_bucket():
