@@ -4,8 +4,9 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 DEMO := runs/demo
-DEMO_ROWS ?= 480
-DEMO_MINUTES ?= 10
+DEMO_ROWS ?= 2400
+DEMO_REGEN_MINUTES ?= 8
+DEMO_MINUTES ?= 12
 
 .PHONY: setup demo test test-all clean-demo
 
@@ -25,8 +26,10 @@ setup: $(STAMP)
 # The whole path on the embedded default: regenerate + prep, train, evaluate on held-out ShareGPT prompts.
 demo: setup
 	$(BIN)/eagle prep --target smollm2-135m --data sharegpt --out $(DEMO)/data --max-rows $(DEMO_ROWS) \
-		--regenerate --max-turns 1 --max-new-tokens 192 --max-length 448 --regen-batch-size 128
-	$(BIN)/eagle train --config configs/smollm2-135m-eagle1.yaml budget.minutes=$(DEMO_MINUTES)
+		--max-minutes $(DEMO_REGEN_MINUTES) --regenerate --max-turns 1 --max-new-tokens 192 --max-length 448 \
+		--regen-batch-size 128
+	$(BIN)/eagle train --config configs/smollm2-135m-eagle1.yaml data.prepared=$(DEMO)/data \
+		run_dir=$(DEMO)/train out=$(DEMO)/head budget.minutes=$(DEMO_MINUTES)
 	$(BIN)/eagle eval --target smollm2-135m --draft $(DEMO)/head --data $(DEMO)/data/val_conversations.jsonl \
 		--num-prompts 8 --max-new-tokens 128 --mode chain --num-speculative-tokens 2 --out $(DEMO)/eval
 
