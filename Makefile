@@ -4,9 +4,8 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 DEMO := runs/demo
-DEMO_ROWS ?= 2400
-DEMO_REGEN_MINUTES ?= 8
-DEMO_MINUTES ?= 12
+DEMO_ROWS ?= 480
+DEMO_MINUTES ?= 10
 
 .PHONY: setup demo test test-all clean-demo
 
@@ -26,8 +25,7 @@ setup: $(STAMP)
 # The whole path on the embedded default: regenerate + prep, train, evaluate on held-out ShareGPT prompts.
 demo: setup
 	$(BIN)/eagle prep --target smollm2-135m --data sharegpt --out $(DEMO)/data --max-rows $(DEMO_ROWS) \
-		--max-minutes $(DEMO_REGEN_MINUTES) --regenerate --max-turns 1 --max-new-tokens 192 --max-length 448 \
-		--regen-batch-size 128
+		--regenerate --max-turns 1 --max-new-tokens 192 --max-length 448 --regen-batch-size 128
 	$(BIN)/eagle train --config configs/smollm2-135m-eagle1.yaml data.prepared=$(DEMO)/data \
 		run_dir=$(DEMO)/train out=$(DEMO)/head budget.minutes=$(DEMO_MINUTES)
 	$(BIN)/eagle eval --target smollm2-135m --draft $(DEMO)/head --data $(DEMO)/data/val_conversations.jsonl \
