@@ -45,6 +45,9 @@ def _user_turns(messages: list[dict]) -> tuple[list[dict], list[dict]]:
     return head, [m for m in messages if m["role"] == "user"]
 
 
+DEADLINE_CHUNK = 8  # with a deadline, prompts are sorted by length within chunks of this many batches
+
+
 @dataclass
 class Reply:
     """One greedy continuation: the new ids (up to and including the end token), whether an end token came, and
@@ -69,15 +72,15 @@ def greedy_replies(target, prompts: list[list[int]], max_new_tokens: int, batch_
     prompt's reply is done.
 
     With a `deadline` (a `time.perf_counter()` value) no batch starts after it, and the prompts never started get
-    None. Batches are then taken in input order (sorted by length only within a batch), so what gets done is a
-    prefix of the input rather than its shortest prompts.
+    None. The prompts are then sorted by length within chunks of `DEADLINE_CHUNK` batches taken in input order, so
+    what gets done is the input's first chunks (and the shorter part of the last one started) rather than its
+    shortest prompts. Sorting only within each batch cost ~40 % of the new tokens per second here (every batch
+    padded to its longest prompt: 138 against 232 tokens/s at batch 128).
     """
     out: list[Reply | None] = [None] * len(prompts)
-    if deadline is None:
-        order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
-    else:
-        order = [i for b in range(0, len(prompts), batch_size)
-                 for i in sorted(range(b, min(b + batch_size, len(prompts))), key=lambda i: len(prompts[i]))]
+    chunk = len(prompts) if deadline is None else DEADLINE_CHUNK * batch_size
+    order = [i for c in range(0, len(prompts), chunk)
+             for i in sorted(range(c, min(c + chunk, len(prompts))), key=lambda i: len(prompts[i]))]
     dev = target.device
     for b in range(0, len(order), batch_size):
         if deadline is not None and time.perf_counter() >= deadline:

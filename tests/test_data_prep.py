@@ -452,8 +452,9 @@ def test_greedy_replies_match_plain_greedy_and_keep_the_features(tiny_target):
 
 
 def test_a_regeneration_deadline_keeps_a_prefix_of_the_prompts(tiny_target, monkeypatch):
-    """No batch starts after the deadline; batches then follow the input order, so the prompts done are the first
-    ones, each with the reply it gets without a deadline, and the rest get None."""
+    """No batch starts after the deadline; prompts are then sorted by length only within chunks of DEADLINE_CHUNK
+    batches in input order, so the prompts done are the first chunks' (each with the reply it gets without a
+    deadline), and the rest get None."""
     import sys
     import types
 
@@ -464,12 +465,15 @@ def test_a_regeneration_deadline_keeps_a_prefix_of_the_prompts(tiny_target, monk
     tok = tiny_target.tokenizer
     prompts = [tok(t, add_special_tokens=False)["input_ids"] for t in
                ["Tell me a story about cats", "Hi", "What is the capital of France?", "Hello there", "Why?"]]
-    args = (tiny_target, prompts, 5, 2, tok.pad_token_id, {tok.eos_token_id})
+    monkeypatch.setattr(regen_mod, "DEADLINE_CHUNK", 2)  # chunks of 2 batches of 1: prompts 0-1, 2-3, then 4
+    args = (tiny_target, prompts, 5, 1, tok.pad_token_id, {tok.eos_token_id})
     plain = greedy_replies(*args)
-    clock = iter(range(100))  # each deadline check reads the next second: batches start at 0 and 1, not at 2
+    clock = iter(range(100))  # each deadline check reads the next second: batches start at 0, 1 and 2, not at 3
     monkeypatch.setattr(regen_mod, "time", types.SimpleNamespace(perf_counter=lambda: next(clock)))
-    got = greedy_replies(*args, deadline=2)
-    assert [r.new_ids for r in got[:4]] == [r.new_ids for r in plain[:4]] and got[4] is None
+    got = greedy_replies(*args, deadline=3)
+    # chunk one, then the shorter prompt of chunk two ("Hello there" comes before the longer question)
+    assert [r.new_ids for r in got[:2]] == [r.new_ids for r in plain[:2]] and got[3].new_ids == plain[3].new_ids
+    assert got[2] is None and got[4] is None
 
 
 def test_a_spent_time_budget_ends_every_conversation_and_prep_checks_it(tiny_target, tmp_path):
