@@ -4,7 +4,7 @@ on held-out rows, next to chain decoding's acceptance at each position on the sa
     .venv/bin/python benchmarks/depth_agreement.py --draft runs/demo/head --prepared runs/demo/data --rows 8 --k 4
 
 Teacher-forced, depth s: the head is unrolled s steps on its own predicted features (the training-time test's
-attention, `train.loop.unrolled_mask`) with the true tokens as inputs, over the held-out rows (the target's own
+attention, `train.loop.unrolled`, as the loss unrolls it) with the true tokens as inputs, over the held-out rows (the target's own
 greedy text when they were regenerated). Depth s agrees at position p when the head's depth-s token equals the
 target's argmax; the rate printed is conditional, as chain acceptance is: among positions where depths 1..s-1
 agreed (in a chain, a draft is only checked when every draft before it was accepted).
@@ -23,11 +23,11 @@ from pathlib import Path
 
 import torch
 
-from eagle import EagleHead, HeadCache, load_target
+from eagle import EagleHead, load_target
 from infer import SpeculativeDecoder
 from infer.evaluate import load_prompts
 from train.config import TrainConfig
-from train.loop import cached_features, load_rows, unrolled_mask
+from train.loop import cached_features, load_rows, unrolled
 
 
 @torch.inference_mode()
@@ -37,16 +37,10 @@ def teacher_forced(head, target, rows, feats, depths: int) -> list[tuple[int, in
     counts = [[0, 0] for _ in range(depths)]
     for (ids, mask), f in zip(rows, feats):
         ids, f = ids[None], f[None].to(W.dtype)
-        n = ids.shape[1] - 1
-        pos, cache = torch.arange(n)[None], HeadCache()
         truth = (f[0, 1:] @ W.T).argmax(-1)[:-1]  # the target's token p + 2, from its feature p + 1
         scored = mask[2:]
-        ok, x, pred = [], f[:, :-1], None
-        for s in range(1, depths + 1):
-            if s > 1:  # step s at position p reads step s-1's prediction made at p - 1
-                x = torch.cat([torch.zeros_like(pred[:, :1]), pred[:, :-1]], dim=1)
-            pred = head(x, ids[:, 1:], pos, cache=cache, mask=None if s == 1 else unrolled_mask(n, s))
-            ok.append(head.to_target_ids(head.logits(pred[0]).argmax(-1))[:-1] == truth)
+        ok = [head.to_target_ids(head.logits(pred[0]).argmax(-1))[:-1] == truth
+              for _, pred in unrolled(head, f[:, :-1], ids[:, 1:], depths)]
         L = truth.shape[0]
         for s in range(depths):  # a chain drafted at position p checks depth j + 1 at position p + j
             for p in range(L - s):
@@ -70,9 +64,9 @@ def main() -> None:
     if head.config.head_type != "eagle1":
         raise SystemExit(f"--draft {args.draft}: an EAGLE-1/2 head is needed (its depth-s input is its own feature)")
     cfg = TrainConfig()
-    rows = load_rows(cfg, "val", args.prepared)[: args.rows]
-    feats = cached_features(target, load_rows(cfg, "val", args.prepared), Path(args.prepared), "val")[: args.rows]
-    tf = teacher_forced(head, target, rows, feats, args.k)
+    rows = load_rows(cfg, "val", args.prepared)  # all of them: the feature file is matched on every row's length
+    feats = cached_features(target, rows, Path(args.prepared), "val")
+    tf = teacher_forced(head, target, rows[: args.rows], feats[: args.rows], args.k)
     prompts = load_prompts(str(Path(args.prepared) / "val_conversations.jsonl"), args.rows)
     dec = SpeculativeDecoder(target, head)
     lengths = []

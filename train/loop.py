@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from data_prep.prep import assistant_token_counts, load_examples
-from eagle import EagleHead, HeadConfig, TargetModel, load_target
+from eagle import EagleHead, HeadCache, HeadConfig, TargetModel, load_target
 from eagle.checkpoint import load_head, save_head
 from eagle.features import features_path, load_features, save_features
 from eagle.configio import save_config
@@ -159,6 +159,21 @@ def unrolled_mask(n: int, s: int) -> torch.Tensor:
     return torch.cat(blocks, dim=1)
 
 
+def unrolled(head: EagleHead, x: torch.Tensor, next_ids: torch.Tensor, steps: int):
+    """Yield (s, predictions [B, n, H]) for s = 1..steps: step 1 reads the features x [B, n, *] with the tokens
+    next_ids [B, n]; step s > 1 reads, at position p, step s-1's prediction made at p - 1, attending as drafting
+    does (`unrolled_mask`). The training-time test, shared by the loss and benchmarks/depth_agreement.py."""
+    B, n = next_ids.shape
+    pos = torch.arange(n)[None].expand(B, -1)
+    cache = HeadCache() if steps > 1 else None
+    pred = None
+    for s in range(1, steps + 1):
+        if s > 1:
+            x = torch.cat([torch.zeros_like(pred[:, :1]), pred[:, :-1]], dim=1)
+        pred = head(x, next_ids, pos, cache=cache, mask=None if s == 1 else unrolled_mask(n, s))
+        yield s, pred
+
+
 def head_loss(head: EagleHead, ids, mask, feats, cfg: TrainConfig, gen):
     """The draft loss on one batch; `feats` holds the target's last features, then (EAGLE-3) its fused layers.
 
@@ -166,11 +181,9 @@ def head_loss(head: EagleHead, ids, mask, feats, cfg: TrainConfig, gen):
     against the target's p. EAGLE-3: CE alone, over the draft vocabulary; positions whose next token lies
     outside it are not scored (the data is the target's own greedy text, so that token is the target's argmax).
     Scored where token t+2 is an assistant token. With `loss.steps` > 1 the head is unrolled on its own outputs
-    (the training-time test, see `unrolled_mask`), step s weighted step_decay^(s-1). p and q are taken over the
+    (the training-time test, see `unrolled`), step s weighted step_decay^(s-1). p and q are taken over the
     head's draft vocabulary (renormalised there when it is reduced).
     """
-    from eagle import HeadCache
-
     eagle3 = head.config.head_type == "eagle3"
     H = head.config.hidden_size
     B, T = ids.shape
@@ -181,19 +194,12 @@ def head_loss(head: EagleHead, ids, mask, feats, cfg: TrainConfig, gen):
     else:
         noise = (torch.rand(last[:, :-1].shape, generator=gen) - 0.5) * cfg.loss.noise
         x = last[:, :-1] + noise.to(feats.dtype)
-    pos = torch.arange(n)[None].expand(B, -1)
-    cache = HeadCache() if cfg.loss.steps > 1 else None
     scored = torch.zeros(B, n, dtype=torch.bool)
     scored[:, :-1] = mask[:, 2:]
     if eagle3:
         scored[:, :-1] &= head.t2d[ids[:, 2:]]
     total, stats = 0.0, {}
-    for s in range(1, cfg.loss.steps + 1):
-        if s == 1:
-            pred = head(x, ids[:, 1:], pos, cache=cache)
-        else:  # step s at position p reads step s-1's output made at p-1
-            x = torch.cat([torch.zeros_like(pred[:, :1]), pred[:, :-1]], dim=1)
-            pred = head(x, ids[:, 1:], pos, cache=cache, mask=unrolled_mask(n, s))
+    for s, pred in unrolled(head, x, ids[:, 1:], cfg.loss.steps):
         sel = scored.clone()
         sel[:, : s - 1] = False  # positions before s-1 have no step-s input
         out, want = pred[sel], last[:, 1:][sel]  # only scored positions reach the costly lm_head
