@@ -58,6 +58,8 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=8)
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--decode-rows", type=int, default=None,
+                    help="prompts to decode (default: --rows; 0 prints the teacher-forced rates alone)")
     args = ap.parse_args()
     target = load_target(args.target)
     head = EagleHead.from_pretrained(args.draft).attach(target).eval()
@@ -67,7 +69,8 @@ def main() -> None:
     rows = load_rows(cfg, "val", args.prepared)  # all of them: the feature file is matched on every row's length
     feats = cached_features(target, rows, Path(args.prepared), "val")
     tf = teacher_forced(head, target, rows[: args.rows], feats[: args.rows], args.k)
-    prompts = load_prompts(str(Path(args.prepared) / "val_conversations.jsonl"), args.rows)
+    n_dec = args.rows if args.decode_rows is None else args.decode_rows
+    prompts = load_prompts(str(Path(args.prepared) / "val_conversations.jsonl"), n_dec) if n_dec else []
     dec = SpeculativeDecoder(target, head)
     lengths = []
     for p in prompts:

@@ -92,6 +92,18 @@ def test_all_positions_scores_the_prompt_too(tmp_path, target):
         train(config(tmp_path, "budget.max_steps=1", "loss.positions=some"), target=target)
 
 
+def test_validation_reads_the_features_as_drafting_does(tmp_path, target):
+    """The training noise stays out of validation: at lr 0 the same head validates alike whatever loss.noise is."""
+    write_prepared(tmp_path / "data", target)
+    val = {}
+    for noise in ("0.0", "5.0"):
+        train(config(tmp_path, "budget.max_steps=1", "optim.lr=0", f"loss.noise={noise}",
+                     f"run_dir={tmp_path / noise}"), target=target)
+        log = [json.loads(l) for l in (tmp_path / noise / "log.jsonl").read_text().splitlines()]
+        val[noise] = [r["val_loss"] for r in log if "val_loss" in r]
+    assert val["0.0"] and val["0.0"] == val["5.0"]
+
+
 def test_missing_data_and_missing_budget_are_one_line_errors(tmp_path, target):
     with pytest.raises(TrainError, match="set a budget"):
         train(config(tmp_path), target=target)

@@ -174,13 +174,14 @@ def unrolled(head: EagleHead, x: torch.Tensor, next_ids: torch.Tensor, steps: in
         yield s, pred
 
 
-def head_loss(head: EagleHead, ids, mask, feats, cfg: TrainConfig, gen):
+def head_loss(head: EagleHead, ids, mask, feats, cfg: TrainConfig, gen, noise: bool = True):
     """The draft loss on one batch; `feats` holds the target's last features, then (EAGLE-3) its fused layers.
 
     EAGLE-1/2: predict feature t+1 from (feature t, token t+1); smooth-L1 on the feature plus ce_weight x CE
     against the target's p. EAGLE-3: CE alone, over the draft vocabulary; positions whose next token lies
     outside it are not scored (the data is the target's own greedy text, so that token is the target's argmax).
-    Scored where token t+2 is an assistant token. With `loss.steps` > 1 the head is unrolled on its own outputs
+    Scored where token t+2 is an assistant token. `noise=False` (validation) feeds the features as drafting does,
+    without the training noise. With `loss.steps` > 1 the head is unrolled on its own outputs
     (the training-time test, see `unrolled`), step s weighted step_decay^(s-1). p and q are taken over the
     head's draft vocabulary (renormalised there when it is reduced).
     """
@@ -191,9 +192,10 @@ def head_loss(head: EagleHead, ids, mask, feats, cfg: TrainConfig, gen):
     last = feats[..., :H]
     if eagle3:
         x = feats[:, :-1, H:]
+    elif noise:
+        x = last[:, :-1] + ((torch.rand(last[:, :-1].shape, generator=gen) - 0.5) * cfg.loss.noise).to(feats.dtype)
     else:
-        noise = (torch.rand(last[:, :-1].shape, generator=gen) - 0.5) * cfg.loss.noise
-        x = last[:, :-1] + noise.to(feats.dtype)
+        x = last[:, :-1]
     scored = torch.zeros(B, n, dtype=torch.bool)
     scored[:, :-1] = mask[:, 2:]
     if eagle3:
@@ -263,7 +265,7 @@ def validate(head, target, val_rows, val_feats, prompts, cfg: TrainConfig) -> di
     with torch.no_grad():
         for idx in make_batches([r[0].shape[0] for r in val_rows], cfg.optim.batch_tokens, gen):
             ids, mask, feats = collate(val_rows, val_feats, idx, target, layers)
-            _, m = head_loss(head, ids, mask, feats, cfg, gen)
+            _, m = head_loss(head, ids, mask, feats, cfg, gen, noise=False)
             stats["val_loss"] += m["loss"] * m["tokens"]
             stats["val_acc"] += m["acc"] * m["tokens"]
             n += m["tokens"]
