@@ -205,3 +205,40 @@ def test_draft_vocab_also_counts_the_replies_of_a_larger_sample(tmp_path, target
     rows = [(torch.tensor([2, 5, 5, 6]), torch.tensor([False, True, True, True]))]
     assert draft_vocab(rows, target.vocab_size, 2).tolist() == [5, 6]
     assert draft_vocab(rows, target.vocab_size, 2, counts).tolist() == [5, 13]  # 2/3 and 3/4 beat 1/3 and 1/4
+
+
+def test_simulated_chain_on_a_hand_checked_row():
+    """Indices 0-1 are prompt, 2-9 reply (scored[j]: token j + 2 is the reply's). The reply's first token is the
+    target's, so rounds start at index 3: drafts 1-2 agree there (ok[3, 0], ok[4, 1]), the third does not; the next
+    round starts at 6 and fails at once; the round at 7 accepts one; the round at 9 is cut by the reply's end."""
+    from train.loop import simulate_chain
+
+    scored = torch.tensor([False, False] + [True] * 8)
+    ok = torch.zeros(10, 3, dtype=torch.bool)
+    ok[3, 0] = ok[4, 1] = True
+    ok[7, 0] = True
+    ok[9, 0] = ok[9, 1] = True  # a second draft at index 10 would leave the row
+    assert simulate_chain(ok, scored) == [2, 0, 1, 1]
+
+
+def test_simulated_acceptance_is_what_decoding_accepts(tmp_path, target):
+    """Along rows the target wrote greedily, the simulated rounds are the decoder's rounds on their prompts."""
+    from infer import SpeculativeDecoder
+    from train.loop import cached_features, load_rows, simulated_accepts
+
+    write_prepared(tmp_path / "data", target, rows=12)
+    train(config(tmp_path, "budget.max_steps=60", "eval.num_speculative_tokens=3"), target=target)
+    head = EagleHead.from_pretrained(tmp_path / "head").attach(target)
+    cfg = config(tmp_path)
+    rows = load_rows(cfg, "train", str(tmp_path / "data"))
+    feats = cached_features(target, rows, tmp_path / "data", "train")
+    sim = simulated_accepts(head, target, rows, feats, 3, 256)
+    dec = SpeculativeDecoder(target, head)
+    checked = 0
+    for (ids, mask), accepts in zip(rows, sim):
+        out = dec.generate(ids[:6].tolist(), 24, num_speculative_tokens=3)
+        assert out.token_ids == ids[6:].tolist()
+        # every round but the last, which max_new_tokens may cut short
+        assert out.accept_lengths[:-1] == accepts[: len(out.accept_lengths) - 1]
+        checked += sum(accepts)
+    assert checked > 10  # the head accepts something, so the comparison is not all zeros

@@ -79,9 +79,9 @@ class BudgetConfig:
 @dataclass
 class EvalConfig:
     every_minutes: float = 3.0  # validate this often (and at the end); the best checkpoint is kept
-    num_prompts: int = 4  # held-out prompts decoded speculatively to measure tau
+    num_prompts: int = 4  # held-out prompts decoded speculatively (a check of the simulated tau on a few prompts)
     max_new_tokens: int = 64
-    num_speculative_tokens: int = 4
+    num_speculative_tokens: int = 4  # k of the chain decoding simulated along every held-out row (picks the best head)
 
 
 @dataclass

@@ -9,7 +9,8 @@ cross-entropy of the draft distribution q against the target's distribution p at
 get uniform noise. Loss (EAGLE-3): the cross-entropy alone, over the draft vocabulary, with the head unrolled on
 its own outputs for `loss.steps` steps (the training-time test). Target features are computed once and cached
 beside the prepared rows, or per batch with `data.online=true`. Rerunning the same command resumes from
-`run_dir/checkpoint` (written whole or not at all); the head with the best validation tau is exported to `out`.
+`run_dir/checkpoint` (written whole or not at all); the head with the best validation tau (chain decoding simulated
+along every held-out row, `simulated_accepts`) is exported to `out`.
 """
 
 from __future__ import annotations
@@ -164,14 +165,27 @@ def unrolled(head: EagleHead, x: torch.Tensor, next_ids: torch.Tensor, steps: in
     next_ids [B, n]; step s > 1 reads, at position p, step s-1's prediction made at p - 1, attending as drafting
     does (`unrolled_mask`). The training-time test, shared by the loss and benchmarks/depth_agreement.py."""
     B, n = next_ids.shape
-    pos = torch.arange(n)[None].expand(B, -1)
+    dev = next_ids.device
+    pos = torch.arange(n, device=dev)[None].expand(B, -1)
     cache = HeadCache() if steps > 1 else None
     pred = None
     for s in range(1, steps + 1):
         if s > 1:
             x = torch.cat([torch.zeros_like(pred[:, :1]), pred[:, :-1]], dim=1)
-        pred = head(x, next_ids, pos, cache=cache, mask=None if s == 1 else unrolled_mask(n, s))
+        pred = head(x, next_ids, pos, cache=cache, mask=None if s == 1 else unrolled_mask(n, s).to(dev))
         yield s, pred
+
+
+def head_inputs(head: EagleHead, feats: torch.Tensor, noise: float = 0.0, gen=None) -> torch.Tensor:
+    """The head's step-1 input features at positions 0..T-2: the target's last features (EAGLE-1/2, with uniform
+    noise of width `noise` when training) or its fused layers (EAGLE-3)."""
+    H = head.config.hidden_size
+    if head.config.head_type == "eagle3":
+        return feats[:, :-1, H:]
+    x = feats[:, :-1, :H]
+    if noise:
+        x = x + ((torch.rand(x.shape, generator=gen) - 0.5) * noise).to(feats.dtype)
+    return x
 
 
 def head_loss(head: EagleHead, ids, mask, feats, cfg: TrainConfig, gen, noise: bool = True):
@@ -190,13 +204,8 @@ def head_loss(head: EagleHead, ids, mask, feats, cfg: TrainConfig, gen, noise: b
     B, T = ids.shape
     n = T - 1
     last = feats[..., :H]
-    if eagle3:
-        x = feats[:, :-1, H:]
-    elif noise:
-        x = last[:, :-1] + ((torch.rand(last[:, :-1].shape, generator=gen) - 0.5) * cfg.loss.noise).to(feats.dtype)
-    else:
-        x = last[:, :-1]
-    scored = torch.zeros(B, n, dtype=torch.bool)
+    x = head_inputs(head, feats, cfg.loss.noise if noise else 0.0, gen)
+    scored = torch.zeros(B, n, dtype=torch.bool, device=mask.device)
     scored[:, :-1] = mask[:, 2:]
     if eagle3:
         scored[:, :-1] &= head.t2d[ids[:, 2:]]
@@ -230,6 +239,69 @@ def head_loss(head: EagleHead, ids, mask, feats, cfg: TrainConfig, gen, noise: b
     return total, {"loss": total.item(), **stats}
 
 
+# -- simulated decoding -------------------------------------------------------------------------------------------
+def simulate_chain(ok: torch.Tensor, scored: torch.Tensor) -> list[int]:
+    """Accepted drafts per round of greedy chain decoding along one row (the target's own text when the rows were
+    regenerated: then decoding its prompt writes exactly this row).
+
+    ok [n, k] bool: the head unrolled s + 1 steps (`unrolled`) agrees at index j with the target's token j + 2;
+    scored [n] bool: token j + 2 is an assistant token. A reply's first token comes from the target (its prefill),
+    so the first round starts one index into each assistant span; a round starting at index i (the target's
+    features known up to i, token i + 1 known) accepts drafts 1..a while ok[i + s - 1, s - 1] holds and the tokens
+    stay in the span, then the target's own token follows and the next round starts at i + a + 1. This is what
+    `SpeculativeDecoder` does with k drafts on the same text, so it measures acceptance without running the target.
+    """
+    n, k = ok.shape
+    ok_l, sc = ok.tolist(), scored.tolist()
+    accepts, i = [], 0
+    while i < n:
+        if not sc[i]:
+            i += 1
+            continue
+        i += 1  # the span's first token is the target's; rounds start after it
+        while i < n and sc[i]:
+            a = 0
+            while a < k and i + a < n and sc[i + a] and ok_l[i + a][a]:
+                a += 1
+            accepts.append(a)
+            i += a + 1
+    return accepts
+
+
+@torch.no_grad()
+def simulated_accepts(head: EagleHead, target: TargetModel, rows, feats, k: int, batch_tokens: int,
+                      layers: list[int] | None = None) -> list[list[int]]:
+    """Per row, the accepted drafts of each round of chain decoding with k drafts (`simulate_chain`), from one
+    unrolled pass of the head over the rows' features (the truth is the target's argmax from its features, so
+    the rows need not be the target's own text)."""
+    W = target.lm_head.weight
+    p = next(head.parameters())
+    out: list[list[int]] = [[] for _ in rows]
+    for idx in make_batches([r[0].shape[0] for r in rows], batch_tokens, torch.Generator().manual_seed(0)):
+        ids, mask, f = collate(rows, feats, idx, target, layers)
+        ids, f = ids.to(p.device), f.to(p.device, p.dtype)
+        scored = torch.zeros(len(idx), ids.shape[1] - 1, dtype=torch.bool, device=p.device)
+        scored[:, :-1] = mask[:, 2:]
+        sel = scored.nonzero(as_tuple=True)
+        want = f[:, 1:, : head.config.hidden_size][sel].to(W.dtype)  # feature j + 1 gives the target's token j + 2
+        truth = torch.cat([F.linear(c, W).argmax(-1) for c in want.split(1024)]) if want.shape[0] else sel[0]
+        ok = torch.zeros(*scored.shape, k, dtype=torch.bool, device=p.device)
+        for s, pred in unrolled(head, head_inputs(head, f), ids[:, 1:], k):
+            ok[sel[0], sel[1], s - 1] = head.to_target_ids(head.logits(pred[sel]).argmax(-1)) == truth
+        ok, scored = ok.cpu(), scored.cpu()
+        for b, i in enumerate(idx):
+            m = rows[i][0].shape[0] - 1
+            out[i] = simulate_chain(ok[b, :m], scored[b, :m])
+    return out
+
+
+def acceptance_stats(accepts: list[int], k: int) -> dict:
+    """tau (tokens per target pass) and the conditional acceptance at each depth of a list of accepted counts."""
+    rounds = max(len(accepts), 1)
+    rates = [sum(a >= s for a in accepts) / max(sum(a >= s - 1 for a in accepts), 1) for s in range(1, k + 1)]
+    return {"tau": (sum(accepts) + len(accepts)) / rounds, "accept": [round(r, 4) for r in rates]}
+
+
 # -- checkpoints --------------------------------------------------------------------------------------------------
 def save_checkpoint(run: Path, head, opt, state: dict) -> None:
     """run/checkpoint holds head + optimizer + trainer state; written in a temp dir, then renamed."""
@@ -255,7 +327,10 @@ def val_prompts(cfg: TrainConfig) -> list[str]:
 
 
 def validate(head, target, val_rows, val_feats, prompts, cfg: TrainConfig) -> dict:
-    """Teacher-forced loss / top-1 agreement on held-out rows, and tau from real chain decoding on held-out prompts."""
+    """On the held-out rows: teacher-forced loss and top-1 agreement, and the tau and per-depth acceptance of chain
+    decoding with eval.num_speculative_tokens drafts simulated along them (`simulated_accepts`: every row, no
+    target pass); plus tau from real chain decoding of eval.num_prompts held-out prompts, a check of the
+    simulation on a few prompts."""
     from infer import SpeculativeDecoder
 
     head.eval()
@@ -270,6 +345,10 @@ def validate(head, target, val_rows, val_feats, prompts, cfg: TrainConfig) -> di
             stats["val_acc"] += m["acc"] * m["tokens"]
             n += m["tokens"]
     stats = {k: v / max(n, 1) for k, v in stats.items()}
+    k = cfg.eval.num_speculative_tokens
+    accepts = simulated_accepts(head, target, val_rows, val_feats, k, cfg.optim.batch_tokens, layers)
+    sim = acceptance_stats([a for row in accepts for a in row], k)
+    stats["val_sim_tau"], stats["val_sim_accept"] = sim["tau"], sim["accept"]
     if prompts:
         dec = SpeculativeDecoder(target, head)
         emitted = rounds = 0
@@ -377,7 +456,7 @@ def train(cfg: TrainConfig, target: TargetModel | None = None) -> dict:
 
     def checkpoint_and_validate(final: bool) -> None:
         v = validate(raw, target, val_rows, val_feats, prompts, cfg)
-        score = v.get("val_tau", v["val_acc"])
+        score = v["val_sim_tau"]  # every held-out row, so far less noisy than decoding a few prompts
         if score > state["best_tau"]:
             state["best_tau"] = score
             save_head(raw, Path(cfg.out), extra={"step": state["step"], **v})
@@ -440,5 +519,6 @@ def train(cfg: TrainConfig, target: TargetModel | None = None) -> dict:
     checkpoint_and_validate(final=True)
     log.close()
     print(f"done: {state['step']} steps, {state['tokens']} tokens in {state['train_s'] / 60:.1f} min of training; "
-          f"best validation tau {state['best_tau']:.3f}; head in {cfg.out}")
+          f"best simulated validation tau {state['best_tau']:.3f} (k = {cfg.eval.num_speculative_tokens}); "
+          f"head in {cfg.out}")
     return state
