@@ -9,6 +9,9 @@ greedy text when they were regenerated). Depth s agrees at position p when the h
 target's argmax; the rate printed is conditional, as chain acceptance is: among positions where depths 1..s-1
 agreed (in a chain, a draft is only checked when every draft before it was accepted).
 
+Simulated: chain decoding with k drafts simulated along the same rows (`train.loop.simulated_accepts`, what
+validation measures): rounds start only where decoding would start them, right after the target's own token.
+
 Decoding: chain decoding with k drafts of the same rows' prompts (their first user turn), 128 new tokens; its
 acceptance at position s is the fraction of rounds that accepted draft s among those that accepted drafts
 1..s-1. The decoder and the rows see the same text, so the two columns should agree up to sampling noise; a
@@ -27,7 +30,7 @@ from eagle import EagleHead, load_target
 from infer import SpeculativeDecoder
 from infer.evaluate import load_prompts
 from train.config import TrainConfig
-from train.loop import cached_features, load_rows, unrolled
+from train.loop import acceptance_stats, cached_features, load_rows, simulated_accepts, unrolled
 
 
 @torch.inference_mode()
@@ -69,6 +72,9 @@ def main() -> None:
     rows = load_rows(cfg, "val", args.prepared)  # all of them: the feature file is matched on every row's length
     feats = cached_features(target, rows, Path(args.prepared), "val")
     tf = teacher_forced(head, target, rows[: args.rows], feats[: args.rows], args.k)
+    sim = [a for row in simulated_accepts(head, target, rows[: args.rows], feats[: args.rows], args.k, 4096)
+           for a in row]
+    sim_stats = acceptance_stats(sim, args.k)
     n_dec = args.rows if args.decode_rows is None else args.decode_rows
     prompts = load_prompts(str(Path(args.prepared) / "val_conversations.jsonl"), n_dec) if n_dec else []
     dec = SpeculativeDecoder(target, head)
@@ -76,12 +82,15 @@ def main() -> None:
     for p in prompts:
         lengths += dec.generate(p["prompt"], args.max_new_tokens, num_speculative_tokens=args.k).accept_lengths
     dc = [(sum(a >= s for a in lengths), sum(a >= s - 1 for a in lengths)) for s in range(1, args.k + 1)]
-    print("| depth | teacher-forced agreement | checked | decoding acceptance | rounds |")
-    print("|---|---|---|---|---|")
+    sc = [(sum(a >= s for a in sim), sum(a >= s - 1 for a in sim)) for s in range(1, args.k + 1)]
+    print("| depth | teacher-forced agreement | checked | simulated chain acceptance | rounds | decoding acceptance "
+          "| rounds |")
+    print("|---|---|---|---|---|---|---|")
     for s in range(args.k):
-        print(f"| {s + 1} | {tf[s][0] / max(tf[s][1], 1):.3f} | {tf[s][1]} | {dc[s][0] / max(dc[s][1], 1):.3f} "
-              f"| {dc[s][1]} |")
-    print(json.dumps({"teacher_forced": [a / max(n, 1) for a, n in tf], "decoding": [a / max(n, 1) for a, n in dc],
+        print(f"| {s + 1} | {tf[s][0] / max(tf[s][1], 1):.3f} | {tf[s][1]} | {sc[s][0] / max(sc[s][1], 1):.3f} "
+              f"| {sc[s][1]} | {dc[s][0] / max(dc[s][1], 1):.3f} | {dc[s][1]} |")
+    print(json.dumps({"teacher_forced": [a / max(n, 1) for a, n in tf], "simulated": sim_stats["accept"],
+                      "simulated_tau": sim_stats["tau"], "decoding": [a / max(n, 1) for a, n in dc],
                       "tau": (sum(lengths) + len(lengths)) / max(len(lengths), 1)}))
 
 
