@@ -30,20 +30,21 @@ from eagle import EagleHead, load_target
 from infer import SpeculativeDecoder
 from infer.evaluate import load_prompts
 from train.config import TrainConfig
-from train.loop import acceptance_stats, cached_features, load_rows, simulated_accepts, unrolled
+from train.loop import acceptance_stats, cached_features, head_inputs, load_rows, simulated_accepts, unrolled
 
 
 @torch.inference_mode()
 def teacher_forced(head, target, rows, feats, depths: int) -> list[tuple[int, int]]:
     """(agreeing, checked) at each depth, conditional on the depths before it agreeing."""
     W = target.lm_head.weight
+    H = head.config.hidden_size
     counts = [[0, 0] for _ in range(depths)]
     for (ids, mask), f in zip(rows, feats):
         ids, f = ids[None], f[None].to(W.dtype)
-        truth = (f[0, 1:] @ W.T).argmax(-1)[:-1]  # the target's token p + 2, from its feature p + 1
+        truth = (f[0, 1:, :H] @ W.T).argmax(-1)[:-1]  # the target's token p + 2, from its feature p + 1
         scored = mask[2:]
         ok = [head.to_target_ids(head.logits(pred[0]).argmax(-1))[:-1] == truth
-              for _, pred in unrolled(head, f[:, :-1], ids[:, 1:], depths)]
+              for _, pred in unrolled(head, head_inputs(head, f), ids[:, 1:], depths)]
         L = truth.shape[0]
         for s in range(depths):  # a chain drafted at position p checks depth j + 1 at position p + j
             for p in range(L - s):
@@ -66,13 +67,12 @@ def main() -> None:
     args = ap.parse_args()
     target = load_target(args.target)
     head = EagleHead.from_pretrained(args.draft).attach(target).eval()
-    if head.config.head_type != "eagle1":
-        raise SystemExit(f"--draft {args.draft}: an EAGLE-1/2 head is needed (its depth-s input is its own feature)")
+    layers = list(head.config.feature_layer_ids) if head.config.head_type == "eagle3" else None
     cfg = TrainConfig()
     rows = load_rows(cfg, "val", args.prepared)  # all of them: the feature file is matched on every row's length
-    feats = cached_features(target, rows, Path(args.prepared), "val")
+    feats = cached_features(target, rows, Path(args.prepared), "val", layers)
     tf = teacher_forced(head, target, rows[: args.rows], feats[: args.rows], args.k)
-    sim = [a for row in simulated_accepts(head, target, rows[: args.rows], feats[: args.rows], args.k, 4096)
+    sim = [a for row in simulated_accepts(head, target, rows[: args.rows], feats[: args.rows], args.k, 4096, layers)
            for a in row]
     sim_stats = acceptance_stats(sim, args.k)
     n_dec = args.rows if args.decode_rows is None else args.decode_rows
