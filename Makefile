@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 DEMO := runs/demo
 # The demo head is short of data, not of minutes: twice the regenerated rows with 6 minutes of training beat the
-# rows of 480 with 10 (simulated tau 1.546 against 1.506 on 16.5k held-out tokens, BENCHMARKS.md), in about
+# rows of 480 with 10 (simulated tau 1.546 against 1.506 on 16.5k held-out tokens, BENCHMARKS.md), in
 # less wall time (regeneration takes ~3 minutes longer, training 4 less; 14 min in all here).
 DEMO_ROWS ?= 960
 DEMO_MINUTES ?= 6
