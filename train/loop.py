@@ -184,7 +184,7 @@ def head_inputs(head: EagleHead, feats: torch.Tensor, noise: float = 0.0, gen=No
         return feats[:, :-1, H:]
     x = feats[:, :-1, :H]
     if noise:
-        x = x + ((torch.rand(x.shape, generator=gen) - 0.5) * noise).to(feats.dtype)
+        x = x + ((torch.rand(x.shape, generator=gen) - 0.5) * noise).to(x.device, x.dtype)  # CPU draws: exact resume
     return x
 
 
@@ -284,7 +284,7 @@ def simulated_accepts(head: EagleHead, target: TargetModel, rows, feats, k: int,
         scored[:, :-1] = mask[:, 2:]
         sel = scored.nonzero(as_tuple=True)
         want = f[:, 1:, : head.config.hidden_size][sel].to(W.dtype)  # feature j + 1 gives the target's token j + 2
-        truth = torch.cat([F.linear(c, W).argmax(-1) for c in want.split(1024)]) if want.shape[0] else sel[0]
+        truth = torch.cat([F.linear(c, W).argmax(-1) for c in want.split(1024)] or [sel[0][:0]])
         ok = torch.zeros(*scored.shape, k, dtype=torch.bool, device=p.device)
         for s, pred in unrolled(head, head_inputs(head, f), ids[:, 1:], k):
             ok[sel[0], sel[1], s - 1] = head.to_target_ids(head.logits(pred[sel]).argmax(-1)) == truth
