@@ -2,7 +2,7 @@
 another git revision, on SmolLM2-135M's weight shapes at the row counts a decoding pass multiplies.
 
     .venv/bin/python benchmarks/kernel.py --against HEAD~1 /tmp/variant.py --rows 1 2 4 8 12 16
-    .venv/bin/python benchmarks/kernel.py --peak     # the arithmetic ceiling: 8-wide FMAs per second
+    .venv/bin/python benchmarks/kernel.py --peak     # the arithmetic ceiling: 8- (and 16-) wide FMAs per second
     .venv/bin/python benchmarks/kernel.py --attention 256 512 --rows 1 4 8 16 32   # attention alone
 
 Each shape gets enough distinct random weights to fill 64 MB (more than the last-level cache), so every sweep
@@ -29,7 +29,8 @@ from eagle import cpukernel
 
 SHAPES = ("576x576", "192x576", "1536x576", "576x1536", "49152x576")
 
-# --peak: twelve independent chains of 8-wide FMAs on registers, no memory: the arithmetic ceiling of a core
+# --peak: twelve independent chains of 8-wide FMAs on registers, no memory: the arithmetic ceiling of a core (the
+# same with 16-wide AVX-512 FMAs where the CPU has them)
 PEAK_SOURCE = r"""
 #include <immintrin.h>
 float fma_chains(long iters, int nthreads) {
@@ -53,10 +54,12 @@ float fma_chains(long iters, int nthreads) {
 """
 
 
-def peak_fma(threads: int, iters: int = 50_000_000) -> float:
-    """Billions of 8-wide FMAs per second per thread, best of 5, with `threads` threads (needs FMA)."""
+def peak_fma(threads: int, iters: int = 50_000_000, width: int = 8) -> float:
+    """Billions of `width`-wide FMAs (8: AVX2, 16: AVX-512) per second per thread, best of 5, with `threads`
+    threads."""
     path = Path(tempfile.mkdtemp()) / "peak.so"
-    cpukernel.build(path, PEAK_SOURCE)
+    source = PEAK_SOURCE if width == 8 else PEAK_SOURCE.replace("__m256", "__m512").replace("_mm256_", "_mm512_")
+    cpukernel.build(path, source)
     lib = ctypes.CDLL(str(path))
     lib.fma_chains.argtypes, lib.fma_chains.restype = [ctypes.c_long, ctypes.c_int], ctypes.c_float
     best = min(_timed(lambda: lib.fma_chains(iters, threads)) for _ in range(5))
@@ -130,8 +133,12 @@ def main() -> None:
                          "eagle.attention falls back to) at these cached lengths, for --rows query rows")
     args = ap.parse_args()
     if args.peak:
-        for n in sorted({1, torch.get_num_threads()}):
-            print(f"{n} thread(s): {peak_fma(n):.2f} G 8-wide FMAs per second per thread")
+        widths = [8, 16] if "avx512f" in Path("/proc/cpuinfo").read_text() else [8]
+        for w in widths:
+            for n in sorted({1, torch.get_num_threads()}):
+                g = peak_fma(n, width=w)
+                print(f"{w}-wide, {n} thread(s): {g:.2f} G FMAs per second per thread, "
+                      f"{g * n * w * 2:.0f} GFLOP/s in all")
         return
     if args.attention is not None:
         time_attention(args.attention or [256, 512], args.rows, args.repeats)
