@@ -54,6 +54,11 @@ def teacher_forced(head, target, rows, feats, depths: int) -> list[tuple[int, in
     return [tuple(c) for c in counts]
 
 
+def depth_counts(accepts: list[int], k: int) -> list[tuple[int, int]]:
+    """(rounds that accepted draft s, rounds that checked it) for s = 1..k, from accepted counts per round."""
+    return [(sum(a >= s for a in accepts), sum(a >= s - 1 for a in accepts)) for s in range(1, k + 1)]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", default="smollm2-135m")
@@ -81,8 +86,7 @@ def main() -> None:
     lengths = []
     for p in prompts:
         lengths += dec.generate(p["prompt"], args.max_new_tokens, num_speculative_tokens=args.k).accept_lengths
-    dc = [(sum(a >= s for a in lengths), sum(a >= s - 1 for a in lengths)) for s in range(1, args.k + 1)]
-    sc = [(sum(a >= s for a in sim), sum(a >= s - 1 for a in sim)) for s in range(1, args.k + 1)]
+    dc, sc = depth_counts(lengths, args.k), depth_counts(sim, args.k)
     print("| depth | teacher-forced agreement | checked | simulated chain acceptance | rounds | decoding acceptance "
           "| rounds |")
     print("|---|---|---|---|---|---|---|")

@@ -369,9 +369,13 @@ _lib: ctypes.CDLL | None = None
 _tried = False
 
 
+def library_key() -> str:
+    """Names this kernel build: its source, flags and CPU (a change to any of them builds, and plans, anew)."""
+    return hashlib.sha1("|".join([SOURCE, *FLAGS, platform.machine(), _cpu_flags()]).encode()).hexdigest()[:12]
+
+
 def _library_path() -> Path:
-    key = hashlib.sha1("|".join([SOURCE, *FLAGS, platform.machine(), _cpu_flags()]).encode()).hexdigest()[:12]
-    return cache_root() / "kernels" / f"rows_linear-{key}.so"
+    return cache_root() / "kernels" / f"rows_linear-{library_key()}.so"
 
 
 def _cpu_flags() -> str:

@@ -182,9 +182,9 @@ def _time_sweep(mods: list[nn.Linear], rows: int, repeats: int) -> dict[str, flo
 
 def _plan_path(model: nn.Module, how: str) -> str:
     shapes = sorted({_shape_key(m.weight) + str(m.weight.dtype) for m in _linears(model)})
-    kernel = hashlib.sha1(cpukernel.SOURCE.encode()).hexdigest()[:12] if cpukernel.available() else None
+    kernel = cpukernel.library_key() if cpukernel.available() else None  # a changed kernel re-plans
     ident = json.dumps([platform.processor() or platform.machine(), _cpu_name(), torch.get_num_threads(),
-                        torch.__version__, shapes, how, available_layouts(), kernel])  # a changed kernel re-plans
+                        torch.__version__, shapes, how, available_layouts(), kernel])
     return str(cache_root() / "fastlinear" / f"{hashlib.sha1(ident.encode()).hexdigest()[:16]}.json")
 
 

@@ -10,7 +10,7 @@ get uniform noise. Loss (EAGLE-3): the cross-entropy alone, over the draft vocab
 its own outputs for `loss.steps` steps (the training-time test). Target features are computed once and cached
 beside the prepared rows, or per batch with `data.online=true`. Rerunning the same command resumes from
 `run_dir/checkpoint` (written whole or not at all); the head with the best validation tau (chain decoding simulated
-along every held-out row, `simulated_accepts`) is exported to `out`.
+along every held-out row, `batch_accepts`) is exported to `out`.
 """
 
 from __future__ import annotations
@@ -269,29 +269,33 @@ def simulate_chain(ok: torch.Tensor, scored: torch.Tensor) -> list[int]:
 
 
 @torch.no_grad()
-def simulated_accepts(head: EagleHead, target: TargetModel, rows, feats, k: int, batch_tokens: int,
-                      layers: list[int] | None = None) -> list[list[int]]:
-    """Per row, the accepted drafts of each round of chain decoding with k drafts (`simulate_chain`), from one
-    unrolled pass of the head over the rows' features (the truth is the target's argmax from its features, so
-    the rows need not be the target's own text)."""
+def batch_accepts(head: EagleHead, target: TargetModel, ids, mask, f, k: int) -> list[list[int]]:
+    """`simulate_chain` for each row of one right-padded batch (ids, loss mask, features, as `collate` gives them):
+    one unrolled pass of the head; the truth is the target's argmax from its features, so the rows need not be
+    the target's own text."""
     W = target.lm_head.weight
     p = next(head.parameters())
+    ids, f = ids.to(p.device), f.to(p.device, p.dtype)
+    scored = torch.zeros(ids.shape[0], ids.shape[1] - 1, dtype=torch.bool, device=p.device)
+    scored[:, :-1] = mask[:, 2:]
+    sel = scored.nonzero(as_tuple=True)
+    want = f[:, 1:, : head.config.hidden_size][sel].to(W.dtype)  # feature j + 1 gives the target's token j + 2
+    truth = torch.cat([F.linear(c, W).argmax(-1) for c in want.split(1024)] or [sel[0][:0]])
+    ok = torch.zeros(*scored.shape, k, dtype=torch.bool, device=p.device)
+    for s, pred in unrolled(head, head_inputs(head, f), ids[:, 1:], k):
+        ok[sel[0], sel[1], s - 1] = head.to_target_ids(head.logits(pred[sel]).argmax(-1)) == truth
+    ok, scored = ok.cpu(), scored.cpu()
+    # padded positions are never scored, so each padded row simulates as the row alone
+    return [simulate_chain(ok[b], scored[b]) for b in range(ids.shape[0])]
+
+
+def simulated_accepts(head: EagleHead, target: TargetModel, rows, feats, k: int, batch_tokens: int,
+                      layers: list[int] | None = None) -> list[list[int]]:
+    """Per row, the accepted drafts of each round of chain decoding with k drafts (`batch_accepts`)."""
     out: list[list[int]] = [[] for _ in rows]
     for idx in make_batches([r[0].shape[0] for r in rows], batch_tokens, torch.Generator().manual_seed(0)):
-        ids, mask, f = collate(rows, feats, idx, target, layers)
-        ids, f = ids.to(p.device), f.to(p.device, p.dtype)
-        scored = torch.zeros(len(idx), ids.shape[1] - 1, dtype=torch.bool, device=p.device)
-        scored[:, :-1] = mask[:, 2:]
-        sel = scored.nonzero(as_tuple=True)
-        want = f[:, 1:, : head.config.hidden_size][sel].to(W.dtype)  # feature j + 1 gives the target's token j + 2
-        truth = torch.cat([F.linear(c, W).argmax(-1) for c in want.split(1024)] or [sel[0][:0]])
-        ok = torch.zeros(*scored.shape, k, dtype=torch.bool, device=p.device)
-        for s, pred in unrolled(head, head_inputs(head, f), ids[:, 1:], k):
-            ok[sel[0], sel[1], s - 1] = head.to_target_ids(head.logits(pred[sel]).argmax(-1)) == truth
-        ok, scored = ok.cpu(), scored.cpu()
-        for b, i in enumerate(idx):
-            m = rows[i][0].shape[0] - 1
-            out[i] = simulate_chain(ok[b, :m], scored[b, :m])
+        for i, accepts in zip(idx, batch_accepts(head, target, *collate(rows, feats, idx, target, layers), k)):
+            out[i] = accepts
     return out
 
 
@@ -328,7 +332,7 @@ def val_prompts(cfg: TrainConfig) -> list[str]:
 
 def validate(head, target, val_rows, val_feats, prompts, cfg: TrainConfig) -> dict:
     """On the held-out rows: teacher-forced loss and top-1 agreement, and the tau and per-depth acceptance of chain
-    decoding with eval.num_speculative_tokens drafts simulated along them (`simulated_accepts`: every row, no
+    decoding with eval.num_speculative_tokens drafts simulated along them (`batch_accepts`: every row, no
     target pass); plus tau from real chain decoding of eval.num_prompts held-out prompts, a check of the
     simulation on a few prompts."""
     from infer import SpeculativeDecoder
@@ -337,17 +341,17 @@ def validate(head, target, val_rows, val_feats, prompts, cfg: TrainConfig) -> di
     gen = torch.Generator().manual_seed(0)
     layers = list(head.config.feature_layer_ids) if head.config.head_type == "eagle3" else None
     stats, n = {"val_loss": 0.0, "val_acc": 0.0}, 0
+    k, accepts = cfg.eval.num_speculative_tokens, []
     with torch.no_grad():
         for idx in make_batches([r[0].shape[0] for r in val_rows], cfg.optim.batch_tokens, gen):
-            ids, mask, feats = collate(val_rows, val_feats, idx, target, layers)
+            ids, mask, feats = collate(val_rows, val_feats, idx, target, layers)  # online: one target pass
             _, m = head_loss(head, ids, mask, feats, cfg, gen, noise=False)
             stats["val_loss"] += m["loss"] * m["tokens"]
             stats["val_acc"] += m["acc"] * m["tokens"]
             n += m["tokens"]
-    stats = {k: v / max(n, 1) for k, v in stats.items()}
-    k = cfg.eval.num_speculative_tokens
-    accepts = simulated_accepts(head, target, val_rows, val_feats, k, cfg.optim.batch_tokens, layers)
-    sim = acceptance_stats([a for row in accepts for a in row], k)
+            accepts += [a for row in batch_accepts(head, target, ids, mask, feats, k) for a in row]
+    stats = {key: v / max(n, 1) for key, v in stats.items()}
+    sim = acceptance_stats(accepts, k)
     stats["val_sim_tau"], stats["val_sim_accept"] = sim["tau"], sim["accept"]
     if prompts:
         dec = SpeculativeDecoder(target, head)
