@@ -4,7 +4,11 @@
 
 The Python side of the fast path (`eagle/fastlinear.py`: which forwards are patched and how they call the kernels)
 is taken from the revision; the C kernels and everything else are this tree's, so the comparison isolates the
-patched forwards. Three variants are timed, interleaved round by round (order reversed every other round), after
+patched forwards. With `--kernel` the revision's C kernels (`eagle/cpukernel.py`) are used for its variant too,
+each variant with the layout plan calibrated for its kernels:
+
+    .venv/bin/python benchmarks/pass_ab.py --against HEAD --kernel --rows 1 2 4 8 16 32
+ Three variants are timed, interleaved round by round (order reversed every other round), after
 a KV cache of --context tokens: the revision's, this tree's without its one-call decoder layers (each layer runs
 its patched norms, attention and MLP), and this tree's.
 The table shows ms per pass (features and logits of every row, speed.py's `pass_ms`) for each number of new
@@ -22,21 +26,35 @@ from pathlib import Path
 
 import torch
 
-from eagle import fastlinear, load_target
+from eagle import attention, fastlinear, load_target
 from infer import SpeculativeDecoder
 from speed import pass_ms  # benchmarks/speed.py: one target pass after a cache of `context` tokens
 
 
-def fastlinear_at(rev: str):
-    """eagle/fastlinear.py as it was at git revision `rev`, imported as a module of its own."""
+def module_at(rev: str, path: str):
+    """`path` (e.g. eagle/fastlinear.py) as it was at git revision `rev`, imported as a module of its own."""
     root = Path(__file__).resolve().parent.parent
-    src = subprocess.run(["git", "show", f"{rev}:eagle/fastlinear.py"], check=True, capture_output=True, text=True,
+    src = subprocess.run(["git", "show", f"{rev}:{path}"], check=True, capture_output=True, text=True,
                          cwd=root).stdout
-    name = f"fastlinear_{rev.replace('~', '_').replace('^', '_')}"
+    name = f"{Path(path).stem}_{rev.replace('~', '_').replace('^', '_')}"
     module = importlib.util.module_from_spec(importlib.util.spec_from_loader(name, loader=None))
     sys.modules[name] = module  # dataclasses look their module up
-    exec(compile(src, f"{rev}:eagle/fastlinear.py", "exec"), module.__dict__)
+    exec(compile(src, f"{rev}:{path}", "exec"), module.__dict__)
     return module
+
+
+def fastlinear_at(rev: str, kernel: bool = False):
+    """eagle/fastlinear.py as it was at `rev`; with `kernel`, calling the C kernels of that revision too (its
+    eagle/cpukernel.py, built into the kernel cache under its own key)."""
+    module = module_at(rev, "eagle/fastlinear.py")
+    if kernel:
+        module.cpukernel = module_at(rev, "eagle/cpukernel.py")
+    return module
+
+
+def use_kernels_of(module) -> None:
+    """Route gqa_sdpa's attention kernel through the cpukernel module that fastlinear `module` calls."""
+    attention.cpukernel = module.cpukernel
 
 
 def unfuse_layers(model: torch.nn.Module) -> None:
@@ -54,12 +72,18 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--passes", type=int, default=3, help="timed passes per variant, row count and round")
+    ap.add_argument("--kernel", action="store_true", help="the revision's C kernels too (else this tree's for all)")
     args = ap.parse_args()
     target = load_target(args.target)
     dec = SpeculativeDecoder(target, None)
     dec.use_fast_path(True)  # gqa attention on, and the plan decoding uses (calibrated once per machine)
     plan = fastlinear.load_or_calibrate(target.model, run=dec._calibration_pass)
-    old = fastlinear_at(args.against)
+    old = fastlinear_at(args.against, kernel=args.kernel)
+    plans = {fastlinear: plan, old: plan}
+    if args.kernel:  # the revision's kernels get the plan calibrated for them
+        fastlinear.disable_fast_linear(target.model)
+        use_kernels_of(old)
+        plans[old] = old.load_or_calibrate(target.model, run=dec._calibration_pass)
     variants = {args.against: (old, False), "this tree, layers not in one call": (fastlinear, True),
                 "this tree": (fastlinear, False)}
     times: dict[tuple[str, int], list[float]] = {(v, r): [] for v in variants for r in args.rows}
@@ -67,7 +91,8 @@ def main() -> None:
         order = list(variants.items())
         for name, (module, unfused) in order if rnd % 2 == 0 else order[::-1]:
             fastlinear.disable_fast_linear(target.model)
-            module.enable_fast_linear(target.model, plan)
+            use_kernels_of(module)
+            module.enable_fast_linear(target.model, plans[module])
             if unfused:
                 unfuse_layers(target.model)
             # pass_ms keeps these patches: use_fast_path(True) patches only a model that has none

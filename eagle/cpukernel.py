@@ -1,10 +1,11 @@
 """Small C kernels for decoding on CPU, where a step is a few rows through every weight of the model.
 
-- `rows_linear`: `x @ W.T` for a few rows, reading each weight row once. At batch 1 a decoder step multiplies every
-  weight by 1-16 rows, so it is bound by reading the weights; the BLAS paths behind `F.linear` read them at a
-  fraction of this machine's bandwidth for one row (BENCHMARKS.md). This kernel streams each weight row once and
-  multiplies it with every input row while it sits in L1, splitting the output rows over the threads
-  `torch.get_num_threads()` names.
+- `rows_linear`: `x @ W.T` for a few rows. At batch 1 a decoder step multiplies every weight by 1-16 rows: bound by
+  reading the weights for one row, by arithmetic for 16. The BLAS paths behind `F.linear` read the weights at a
+  fraction of this machine's bandwidth for one row and use half its vector width (BENCHMARKS.md). The kernel
+  reads each weight in a packed layout (`pack`: blocks of 32 outputs, their weights for each input side by side,
+  made once per weight and kept beside it), so a tile of up to 12 input rows multiplies each loaded weight vector
+  with every row, with no horizontal sums; blocks are split over the threads `torch.get_num_threads()` names.
 - `rows_gated`: a gated MLP's `silu(x @ G.T) * (x @ U.T)` in one pass over both weights.
 - `rms_norm`: an RMS norm of each row in one call (the stock module is eight small torch ops).
 - `attend`: attention of a few query rows over the KV cache, grouped-query heads read in place.
@@ -14,8 +15,8 @@
   functions above: on this CPU each Python-level step around a C call costs microseconds, and these calls took
   about a quarter off a one-token pass (BENCHMARKS.md).
 
-Every output row is computed alone, in the same order whatever the number of rows (fixed accumulators, a fixed
-reduction, masked keys adding exact zeros), so a verification pass over M tokens gives each token exactly the bits
+Every output row is computed alone, in the same order whatever the number of rows (each product summed over the
+inputs in order, one FMA each; a fixed reduction elsewhere; masked keys adding exact zeros), so a verification pass over M tokens gives each token exactly the bits
 a single-token step gives it (tests/test_attention.py checks a whole model).
 
 The source is compiled once per machine with the system C compiler (`cc -O3 -march=native -fopenmp`) into
@@ -46,6 +47,7 @@ SOURCE = r"""
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <omp.h>
 
 typedef float v8 __attribute__((vector_size(32)));
 
@@ -66,98 +68,151 @@ static inline float hsum(v8 a) { return ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4]
 /* Lane l of accumulator j summed the products i = 32 t + 8 j + l in order; the lanes are added in a fixed order. */
 static inline float reduce(v8 a0, v8 a1, v8 a2, v8 a3) { return hsum((a0 + a1) + (a2 + a3)); }
 
-/* keeps a loaded vector in a register: without it the compiler folds the load into every FMA that uses it, and a
-   weight vector used for two rows is loaded twice */
-#ifdef __AVX__
-#define IN_REG(v) __asm__("" : "+x"(v))
+/* Products read packed weights: W [out, in] is stored as P [ceil(out / NB)][in][NB] (blocks of NB outputs, the
+   block's weights for input i side by side, zero rows padding the last block; `pack` in Python). For a tile of R
+   input rows and one block, every input i loads the block's NB weights once and adds w * x[r, i] into R x NB
+   accumulators with one FMA each: no horizontal sums, and the weights are reused from registers R times. Each
+   output value is the sum over i = 0, 1, ..., in - 1 in that order, one rounding per FMA, whatever R and M, so a row
+   gets the same bits alone or in a verification pass. Measured (BENCHMARKS.md): the same time as the former
+   row-major kernel for one or two rows (both read the weights at memory speed), half of it for 16 rows. */
+#define NB 32
+#ifdef __AVX512F__
+typedef float vw __attribute__((vector_size(64)));
+static inline vw maddw(vw a, vw w, vw x) { return (vw)_mm512_fmadd_ps((__m512)w, (__m512)x, (__m512)a); }
+#define RMAX 12  /* 12 rows x 2 vectors = 24 of the 32 registers */
 #else
-#define IN_REG(v) ((void)0)
+typedef v8 vw;
+static inline vw maddw(vw a, vw w, vw x) { return madd(a, w, x); }
+#define RMAX 3   /* 3 rows x 4 vectors = 12 of the 16 registers */
 #endif
+#define NV (NB / (int)(sizeof(vw) / sizeof(float)))
+static inline vw loadw(const float *p) { vw v; memcpy(&v, p, sizeof v); return v; }
 
-/* three input rows against one weight row, twelve accumulators: each weight vector is loaded once for three FMAs
-   (16 loads per 12 FMAs, against 12 per 8 in the two-row loop below). The sums are the two-row loop's, bit for
-   bit. Measured (benchmarks/kernel.py): 10-15 % off 16-row products, ~3 % off 8-row ones, a loss below that. */
-static __attribute__((noinline)) void three_rows(const float *w, const float *X, int64_t in_f, float *acc) {
-    const float *x0 = X, *x1 = X + in_f, *x2 = x1 + in_f;
-    v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, b0 = {0}, b1 = {0}, b2 = {0}, b3 = {0};
-    v8 c0 = {0}, c1 = {0}, c2 = {0}, c3 = {0};
-    for (int64_t i = 0; i < in_f; i += 32) {
-        __builtin_prefetch(w + i + 512, 0, 3); __builtin_prefetch(w + i + 528, 0, 3);
-        /* accumulator j of each row takes the products i + 8 j .. i + 8 j + 7 */
-#define THREE(j, a, b, c) { v8 u = load8(w + i + 8 * j); IN_REG(u); a = madd(a, u, load8(x0 + i + 8 * j)); \
-                            b = madd(b, u, load8(x1 + i + 8 * j)); c = madd(c, u, load8(x2 + i + 8 * j)); }
-        THREE(0, a0, b0, c0) THREE(1, a1, b1, c1) THREE(2, a2, b2, c2) THREE(3, a3, b3, c3)
-#undef THREE
-    }
-    acc[0] = reduce(a0, a1, a2, a3); acc[1] = reduce(b0, b1, b2, b3); acc[2] = reduce(c0, c1, c2, c3);
-}
-
-/* acc[m] = sum_i w[i] X[m, i] for m < M (at most CHUNK), each summed in the same order whatever M; the weight
-   row w is read from memory once and reused from L1 for every pair (from 8 rows on, every triple) of input rows.
-   in_f % 32 == 0. */
-#define CHUNK 64
-#define THREE_FROM 8
-static inline void dot_rows(const float *w, const float *X, int64_t in_f, int64_t M, float *acc) {
-    int64_t m = 0;
-    for (; M >= THREE_FROM && m + 2 < M; m += 3) three_rows(w, X + m * in_f, in_f, acc + m);
-    for (; m + 1 < M; m += 2) {
-        const float *x0 = X + m * in_f, *x1 = x0 + in_f;
-        v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, b0 = {0}, b1 = {0}, b2 = {0}, b3 = {0};
-        for (int64_t i = 0; i < in_f; i += 32) {
-            /* 2 KB ahead: with two or more rows the loop is slow enough for the hardware prefetcher to fall
-               behind (measured: 7-8 % off a 4- or 8-token pass; no gain for one row, so none there) */
-            __builtin_prefetch(w + i + 512, 0, 3); __builtin_prefetch(w + i + 528, 0, 3);
-            v8 w0 = load8(w + i), w1 = load8(w + i + 8), w2 = load8(w + i + 16), w3 = load8(w + i + 24);
-            IN_REG(w0); IN_REG(w1); IN_REG(w2); IN_REG(w3);
-            a0 = madd(a0, w0, load8(x0 + i)); a1 = madd(a1, w1, load8(x0 + i + 8));
-            a2 = madd(a2, w2, load8(x0 + i + 16)); a3 = madd(a3, w3, load8(x0 + i + 24));
-            b0 = madd(b0, w0, load8(x1 + i)); b1 = madd(b1, w1, load8(x1 + i + 8));
-            b2 = madd(b2, w2, load8(x1 + i + 16)); b3 = madd(b3, w3, load8(x1 + i + 24));
+/* acc[r * NB + j] = sum_i P[i, j] X[r, i] for r < R (a compile-time constant once inlined) */
+static inline __attribute__((always_inline)) void tile(const float *P, const float *X, int64_t in_f, int R,
+                                                        float *acc, const float *ahead) {
+    vw a[RMAX][NV];
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < NV; j++) a[r][j] = (vw){0};
+    for (int64_t i = 0; i < in_f; i++) {
+        /* the next block's weights into L2 while this one is multiplied (the hardware prefetcher alone leaves the
+           FMAs waiting for memory) */
+        if (ahead) { __builtin_prefetch(ahead + i * NB, 0, 2); __builtin_prefetch(ahead + i * NB + 16, 0, 2); }
+        vw w[NV];
+        for (int j = 0; j < NV; j++) w[j] = loadw(P + i * NB + j * (NB / NV));
+        for (int r = 0; r < R; r++) {
+            const vw x = (vw){0} + X[r * in_f + i];
+            for (int j = 0; j < NV; j++) a[r][j] = maddw(a[r][j], w[j], x);
         }
-        acc[m] = reduce(a0, a1, a2, a3);
-        acc[m + 1] = reduce(b0, b1, b2, b3);
     }
-    if (m < M) {
-        const float *x0 = X + m * in_f;
-        v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
-        for (int64_t i = 0; i < in_f; i += 32) {
-            a0 = madd(a0, load8(w + i), load8(x0 + i)); a1 = madd(a1, load8(w + i + 8), load8(x0 + i + 8));
-            a2 = madd(a2, load8(w + i + 16), load8(x0 + i + 16)); a3 = madd(a3, load8(w + i + 24), load8(x0 + i + 24));
+    for (int r = 0; r < R; r++) memcpy(acc + r * NB, a[r], sizeof a[r]);
+}
+
+#define PREFETCH_FROM 4  /* rows from which a tile prefetches the next block: it costs 1-2 row products time */
+#define TILE(R) static __attribute__((noinline)) void tile##R(const float *P, const float *X, int64_t in_f, \
+                                                               float *acc, const float *ahead) { \
+    tile(P, X, in_f, R < RMAX ? R : RMAX, acc, R >= PREFETCH_FROM ? ahead : 0); }
+TILE(1) TILE(2) TILE(3) TILE(4) TILE(5) TILE(6) TILE(7) TILE(8) TILE(9) TILE(10) TILE(11) TILE(12)
+#undef TILE
+typedef void (*tile_fn)(const float *, const float *, int64_t, float *, const float *);
+static const tile_fn TILES[13] = {0, tile1, tile2, tile3, tile4, tile5, tile6, tile7, tile8, tile9, tile10, tile11,
+                                  tile12};
+
+/* One row against two blocks at once (two blocks of one weight, or a gate and an up block): a single row's tile has
+   only NV independent FMA chains, too few to keep the FMA units busy; two blocks double them. The sums are
+   tile()'s, bit for bit. Measured: a one-token pass ~1.5 ms faster (BENCHMARKS.md). */
+static __attribute__((noinline)) void tile1x2(const float *Pa, const float *Pb, const float *X, int64_t in_f,
+                                               float *acc_a, float *acc_b) {
+    vw a[NV], b[NV];
+    for (int j = 0; j < NV; j++) a[j] = b[j] = (vw){0};
+    for (int64_t i = 0; i < in_f; i++) {
+        const vw x = (vw){0} + X[i];
+        for (int j = 0; j < NV; j++) {
+            a[j] = maddw(a[j], loadw(Pa + i * NB + j * (NB / NV)), x);
+            b[j] = maddw(b[j], loadw(Pb + i * NB + j * (NB / NV)), x);
         }
-        acc[m] = reduce(a0, a1, a2, a3);
+    }
+    memcpy(acc_a, a, sizeof a);
+    memcpy(acc_b, b, sizeof b);
+}
+
+/* rows per tile for the `left` rows still to do: all of them up to RMAX, else halves, else RMAX */
+static inline int tile_rows(int64_t left) {
+    return left <= RMAX ? (int)left : left < 2 * RMAX ? (int)((left + 1) / 2) : RMAX;
+}
+
+/* Y[m0 + r, o] = acc[r, o - b NB] (+ B[o]) for r < R and the outputs o of block b */
+static inline void store_block(float *Y, const float *acc, const float *B, int64_t b, int64_t out_f, int64_t m0,
+                               int R) {
+    const int64_t o0 = b * NB, n = out_f - o0 < NB ? out_f - o0 : NB;
+    for (int r = 0; r < R; r++)
+        for (int64_t o = 0; o < n; o++) Y[(m0 + r) * out_f + o0 + o] = acc[r * NB + o] + (B ? B[o0 + o] : 0.0f);
+}
+
+/* Y[m, o] = sum_i W[o, i] X[m, i] (+ B[o]) for m < M and the outputs o of blocks lo .. hi - 1 (P packed). */
+static void linear_blocks(const float *P, const float *X, const float *B, float *Y,
+                          int64_t lo, int64_t hi, int64_t out_f, int64_t in_f, int64_t M) {
+    float acc[RMAX * NB];
+    for (int64_t b = lo; b < hi;) {
+        if (M == 1 && b + 1 < hi) {
+            tile1x2(P + b * in_f * NB, P + (b + 1) * in_f * NB, X, in_f, acc, acc + NB);
+            store_block(Y, acc, B, b, out_f, 0, 1);
+            store_block(Y, acc + NB, B, b + 1, out_f, 0, 1);
+            b += 2;
+            continue;
+        }
+        for (int64_t m0 = 0; m0 < M;) {
+            const int R = tile_rows(M - m0);
+            /* the first row tile fetches the next block ahead; the others find this block in L2 */
+            const float *ahead = P + (m0 == 0 && b + 1 < hi ? b + 1 : b) * in_f * NB;
+            TILES[R](P + b * in_f * NB, X + m0 * in_f, in_f, acc, ahead);
+            store_block(Y, acc, B, b, out_f, m0, R);
+            m0 += R;
+        }
+        b++;
     }
 }
 
-/* Y[m, o] = sum_i W[o, i] X[m, i] (+ B[o]) for m < M and one output o. */
-static inline void linear_out(const float *W, const float *X, const float *B, float *Y,
-                              int64_t o, int64_t out_f, int64_t in_f, int64_t M) {
-    float acc[CHUNK];
-    const float bias = B ? B[o] : 0.0f;
-    for (int64_t m0 = 0; m0 < M; m0 += CHUNK) {
-        int64_t n = M - m0 < CHUNK ? M - m0 : CHUNK;
-        dot_rows(W + o * in_f, X + m0 * in_f, in_f, n, acc);
-        for (int64_t m = 0; m < n; m++) Y[(m0 + m) * out_f + o] = acc[m] + bias;
-    }
+/* this thread's share lo .. hi - 1 of n work items, split as `schedule(static)` would */
+static inline void share(int64_t n, int64_t *lo, int64_t *hi) {
+    const int64_t t = omp_get_thread_num(), T = omp_get_num_threads();
+    *lo = n * t / T;
+    *hi = n * (t + 1) / T;
 }
 
-/* Y[m, o] = sum_i W[o, i] X[m, i] (+ B[o]) for m < M. Output rows are split over the threads. */
-void rows_linear(const float *W, const float *X, const float *B, float *Y,
+/* Y[m, o] = sum_i W[o, i] X[m, i] (+ B[o]) for m < M, W packed as P. Output blocks are split over the threads. */
+void rows_linear(const float *P, const float *X, const float *B, float *Y,
                  int64_t out_f, int64_t in_f, int64_t M, int nthreads) {
-    #pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int64_t o = 0; o < out_f; o++) linear_out(W, X, B, Y, o, out_f, in_f, M);
+    #pragma omp parallel num_threads(nthreads)
+    {
+        int64_t lo, hi;
+        share((out_f + NB - 1) / NB, &lo, &hi);
+        linear_blocks(P, X, B, Y, lo, hi, out_f, in_f, M);
+    }
 }
 
-/* A gated MLP's first half: Y[m, o] = silu(G[o] . X[m]) * (U[o] . X[m]), reading rows o of G and U together. */
+/* A gated MLP's first half: Y[m, o] = silu(G[o] . X[m]) * (U[o] . X[m]), G and U packed, block by block. */
 void rows_gated(const float *G, const float *U, const float *X, float *Y,
                 int64_t out_f, int64_t in_f, int64_t M, int nthreads) {
     #pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int64_t o = 0; o < out_f; o++) {
-        float g[CHUNK], u[CHUNK];
-        for (int64_t m0 = 0; m0 < M; m0 += CHUNK) {
-            int64_t n = M - m0 < CHUNK ? M - m0 : CHUNK;
-            dot_rows(G + o * in_f, X + m0 * in_f, in_f, n, g);
-            dot_rows(U + o * in_f, X + m0 * in_f, in_f, n, u);
-            for (int64_t m = 0; m < n; m++) Y[(m0 + m) * out_f + o] = g[m] / (1.0f + expf(-g[m])) * u[m];
+    for (int64_t b = 0; b < (out_f + NB - 1) / NB; b++) {
+        float g[RMAX * NB], u[RMAX * NB];
+        const int64_t o0 = b * NB, n = out_f - o0 < NB ? out_f - o0 : NB;
+        for (int64_t m0 = 0; m0 < M;) {
+            const int R = tile_rows(M - m0);
+            if (R == 1) {
+                tile1x2(G + b * in_f * NB, U + b * in_f * NB, X + m0 * in_f, in_f, g, u);
+            } else {
+                const int64_t next = m0 == 0 && b + 1 < (out_f + NB - 1) / NB ? b + 1 : b;
+                TILES[R](G + b * in_f * NB, X + m0 * in_f, in_f, g, G + next * in_f * NB);
+                TILES[R](U + b * in_f * NB, X + m0 * in_f, in_f, u, U + next * in_f * NB);
+            }
+            for (int r = 0; r < R; r++)
+                for (int64_t o = 0; o < n; o++) {
+                    const float gv = g[r * NB + o];
+                    Y[(m0 + r) * out_f + o0 + o] = gv / (1.0f + expf(-gv)) * u[r * NB + o];
+                }
+            m0 += R;
         }
     }
 }
@@ -307,11 +362,16 @@ void attention_block(const float *X, int64_t M, int64_t hid,
                      float *work, float *Y, int nthreads) {
     const int64_t nq = H * D, nk = Hkv * D;
     float *Q = work, *Kn = Q + M * nq, *Vn = Kn + M * nk, *A = Vn + M * nk;
-    #pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int64_t o = 0; o < nq + 2 * nk; o++) {
-        if (o < nq) linear_out(Wq, X, Bq, Q, o, nq, hid, M);
-        else if (o < nq + nk) linear_out(Wk, X, Bk, Kn, o - nq, nk, hid, M);
-        else linear_out(Wv, X, Bv, Vn, o - nq - nk, nk, hid, M);
+    const int64_t bq = (nq + NB - 1) / NB, bk = (nk + NB - 1) / NB;
+    #pragma omp parallel num_threads(nthreads)
+    {   /* the q, k and v blocks in one list, split over the threads */
+        int64_t lo, hi;
+        share(bq + 2 * bk, &lo, &hi);
+#define PART(P, B, Y, n, first, count) if (lo < (first) + (count) && hi > (first)) \
+            linear_blocks(P, X, B, Y, (lo > (first) ? lo : (first)) - (first), \
+                          (hi < (first) + (count) ? hi : (first) + (count)) - (first), n, hid, M);
+        PART(Wq, Bq, Q, nq, 0, bq) PART(Wk, Bk, Kn, nk, bq, bk) PART(Wv, Bv, Vn, nk, bq + bk, bk)
+#undef PART
     }
     rope(Q, cos, sin, 1, M, H, D, 0);
     rope(Kn, cos, sin, 1, M, Hkv, D, 0);
@@ -451,6 +511,38 @@ def supports(weight: torch.Tensor) -> bool:
             and weight.dim() == 2 and weight.shape[1] % BLOCK == 0)
 
 
+PACK = 32  # outputs per packed block (NB in the C source)
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """The product kernels' layout of a weight [out, in]: [ceil(out / PACK), in, PACK], block b holding outputs
+    b * PACK .. b * PACK + PACK - 1 side by side for each input, zero rows padding the last block."""
+    w = weight.detach()
+    out_f, in_f = w.shape
+    padded = -(-out_f // PACK) * PACK
+    if padded != out_f:
+        w = torch.cat([w, w.new_zeros(padded - out_f, in_f)])
+    return w.view(padded // PACK, PACK, in_f).transpose(1, 2).contiguous()
+
+
+def packed(weight: torch.Tensor) -> int:
+    """Address of `weight` in the kernels' layout (`pack`), made on first use and kept on the tensor itself (twice
+    the weight's memory) until the weight changes in place (an optimizer step) or moves."""
+    try:
+        version = weight._version
+    except RuntimeError:  # an inference-mode tensor has no version counter; it cannot change outside that mode
+        version = -1
+    hit = weight.__dict__.get("_eagle_packed")
+    if hit is None or hit[0] != version or hit[1] != weight.data_ptr():
+        hit = weight.__dict__["_eagle_packed"] = (version, weight.data_ptr(), pack(weight))
+    return hit[2].data_ptr()
+
+
+def unpack(weight: torch.Tensor) -> None:
+    """Drop the packed copy `packed` keeps on `weight` (its memory)."""
+    weight.__dict__.pop("_eagle_packed", None)
+
+
 def rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """`F.linear(x, weight, bias)` for a few rows x [..., in] through the kernel (the caller checked
     `supports(weight)` and that x is float32). Lean on purpose: a decoding step makes ~150 of these calls, and on
@@ -460,7 +552,7 @@ def rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     out_f, in_f = weight.shape
     y = x.new_empty(*x.shape[:-1], out_f)
     b = None if bias is None else bias.contiguous().data_ptr()
-    (_lib or library()).rows_linear(weight.data_ptr(), x.data_ptr(), b, y.data_ptr(), out_f, in_f, x.numel() // in_f,
+    (_lib or library()).rows_linear(packed(weight), x.data_ptr(), b, y.data_ptr(), out_f, in_f, x.numel() // in_f,
                                     torch.get_num_threads())
     return y
 
@@ -472,7 +564,7 @@ def rows_gated(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> torch.T
         x = x.contiguous()
     out_f, in_f = gate.shape
     y = x.new_empty(*x.shape[:-1], out_f)
-    (_lib or library()).rows_gated(gate.data_ptr(), up.data_ptr(), x.data_ptr(), y.data_ptr(), out_f, in_f,
+    (_lib or library()).rows_gated(packed(gate), packed(up), x.data_ptr(), y.data_ptr(), out_f, in_f,
                                    x.numel() // in_f, torch.get_num_threads())
     return y
 
@@ -526,6 +618,11 @@ def _ptr(t: torch.Tensor | None):
     return None if t is None else t.data_ptr()
 
 
+def _projection_ptrs(projs: tuple) -> list:
+    """(packed q weight, q bias, packed k weight, ...) addresses of an attention module's products."""
+    return [packed(t) if i % 2 == 0 else _ptr(t) for i, t in enumerate(projs)]
+
+
 def _mask_rows(mask: torch.Tensor | None) -> tuple[int, int]:
     """(mask kind, row stride) of a [1, 1, M, L] attention mask for the C calls: 0 none, 1 bool, 2 additive."""
     return (0, 0) if mask is None else (1 if mask.dtype == torch.bool else 2, mask.stride(2))
@@ -556,7 +653,7 @@ def attention_block(x: torch.Tensor, projs: tuple, heads: int, kv_heads: int, he
     work = _scratch(m * (2 * heads + 2 * kv_heads) * head_dim)
     kind, mask_sm = _mask_rows(mask)
     (_lib or library()).attention_block(
-        x.data_ptr(), m, hid, *[_ptr(t) for t in projs], heads, kv_heads, head_dim, cos.data_ptr(), sin.data_ptr(),
+        x.data_ptr(), m, hid, *_projection_ptrs(projs), heads, kv_heads, head_dim, cos.data_ptr(), sin.data_ptr(),
         k_buf.data_ptr(), v_buf.data_ptr(), k_buf.stride(1), past, _ptr(mask), kind, mask_sm, scale,
         work.data_ptr(), y.data_ptr(), torch.get_num_threads())
     return y
@@ -575,8 +672,8 @@ def decoder_layer(x: torch.Tensor, norms: tuple, projs: tuple, mlp: tuple, heads
     kind, mask_sm = _mask_rows(mask)
     (_lib or library()).decoder_layer(
         x.data_ptr(), m, hid, norms[0].data_ptr(), norms[1], norms[2].data_ptr(), norms[3],
-        *[_ptr(t) for t in projs], heads, kv_heads, head_dim, cos.data_ptr(), sin.data_ptr(),
+        *_projection_ptrs(projs), heads, kv_heads, head_dim, cos.data_ptr(), sin.data_ptr(),
         k_buf.data_ptr(), v_buf.data_ptr(), k_buf.stride(1), past, _ptr(mask), kind, mask_sm, scale,
-        mlp[0].data_ptr(), mlp[1].data_ptr(), mlp[2].data_ptr(), inter, work.data_ptr(), y.data_ptr(),
+        packed(mlp[0]), packed(mlp[1]), packed(mlp[2]), inter, work.data_ptr(), y.data_ptr(),
         torch.get_num_threads())
     return y

@@ -31,13 +31,27 @@ def test_layouts_match_f_linear(layout, shape):
 @pytest.mark.skipif(not cpukernel.available(), reason="the C kernel does not build here")
 def test_kernel_gives_every_row_the_same_bits_whatever_the_row_count():
     # what makes a verification pass give each token exactly the logits of a single-token step
+    # 100 outputs: three packed blocks of 32 and a partial one; up to 30 rows: tiles of 12, halves, single rows
     g = torch.Generator().manual_seed(1)
-    w, b = torch.randn(96, 64, generator=g), torch.randn(96, generator=g)
-    x = torch.randn(17, 64, generator=g)
-    alone = torch.cat([cpukernel.rows_linear(x[i:i + 1], w, b) for i in range(17)])
-    for rows in (2, 3, 8, 17):
+    w, b = torch.randn(100, 64, generator=g), torch.randn(100, generator=g)
+    x = torch.randn(30, 64, generator=g)
+    alone = torch.cat([cpukernel.rows_linear(x[i:i + 1], w, b) for i in range(30)])
+    torch.testing.assert_close(alone, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    for rows in (2, 3, 8, 13, 17, 30):
         assert torch.equal(cpukernel.rows_linear(x[:rows], w, b), alone[:rows])
     assert not cpukernel.supports(torch.randn(8, 20)) and not cpukernel.supports(torch.randn(64, 8).t())
+
+
+@pytest.mark.skipif(not cpukernel.available(), reason="the C kernel does not build here")
+def test_kernel_follows_a_weight_changed_in_place():
+    # the packed copy kept beside a weight is remade after an optimizer step (a head validated while it trains)
+    w = nn.Parameter(torch.randn(40, 32))
+    x = torch.randn(3, 32)
+    before = cpukernel.rows_linear(x, w, None)
+    with torch.no_grad():
+        w.mul_(2)
+    torch.testing.assert_close(cpukernel.rows_linear(x, w, None), 2 * before)
+    assert cpukernel.pack(w).shape == (2, 32, 32)  # 40 outputs: one block of 32 and one padded with zeros
 
 
 def test_plan_covers_every_shape_and_bucket():
