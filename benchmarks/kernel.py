@@ -6,8 +6,8 @@ another git revision, on SmolLM2-135M's weight shapes at the row counts a decodi
     .venv/bin/python benchmarks/kernel.py --attention 256 512 --rows 1 4 8 16 32   # attention alone
 
 Each shape gets enough distinct random weights to fill 64 MB (more than the last-level cache), so every sweep
-reads them from memory as a decoding pass does. The layouts are interleaved within each repeat, each going first
-in turn (a product that runs right after `F.linear` shares the cores with torch's still-spinning threads), and the median
+reads them from memory as a decoding pass does. The layouts are interleaved within each repeat in a new random order
+(a product that runs right after `F.linear` is measurably slower: torch's threads still spin), and the median
 and the minimum over repeats are printed, in ms per 100 MB of weights (a pass of SmolLM2 reads ~540 MB). The
 last line is a JSON object: {shape: {rows: {layout: median ms}}}.
 """
@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
+import random
 import statistics
 import subprocess
 import tempfile
@@ -165,10 +166,13 @@ def main() -> None:
             for name, fn in layouts.items():
                 torch.testing.assert_close(fn(x, weights[0]), want, rtol=1e-4, atol=1e-4, msg=name)
             times: dict[str, list[float]] = {name: [] for name in layouts}
-            names = list(layouts)
-            for rep in range(args.repeats):
-                # each layout in turn goes first: one that follows F.linear runs while torch's threads still spin
-                for name in names[rep % len(names):] + names[:rep % len(names)]:
+            order = random.Random(rows)
+            for _ in range(args.repeats):
+                # a new order every repeat: what runs right after F.linear is measurably slower (torch's threads
+                # still spin), so no layout may follow it more often than the others
+                names = list(layouts)
+                order.shuffle(names)
+                for name in names:
                     fn = layouts[name]
                     t0 = time.perf_counter()
                     for w in weights:

@@ -79,10 +79,12 @@ static inline float reduce(v8 a0, v8 a1, v8 a2, v8 a3) { return hsum((a0 + a1) +
 #ifdef __AVX512F__
 typedef float vw __attribute__((vector_size(64)));
 static inline vw maddw(vw a, vw w, vw x) { return (vw)_mm512_fmadd_ps((__m512)w, (__m512)x, (__m512)a); }
+static inline vw splatw(float x) { return (vw)_mm512_set1_ps(x); }
 #define RMAX 12  /* 12 rows x 2 vectors = 24 of the 32 registers */
 #else
 typedef v8 vw;
 static inline vw maddw(vw a, vw w, vw x) { return madd(a, w, x); }
+static inline vw splatw(float x) { return (vw){x, x, x, x, x, x, x, x}; }
 #define RMAX 3   /* 3 rows x 4 vectors = 12 of the 16 registers */
 #endif
 #define NV (NB / (int)(sizeof(vw) / sizeof(float)))
@@ -90,31 +92,33 @@ static inline vw loadw(const float *p) { vw v; memcpy(&v, p, sizeof v); return v
 
 /* acc[r * NB + j] = sum_i P[i, j] X[r, i] for r < R (a compile-time constant once inlined) */
 static inline __attribute__((always_inline)) void tile(const float *P, const float *X, int64_t in_f, int R,
-                                                        float *acc, const float *ahead) {
+                                                        float *acc, const float *ahead, int lines) {
     vw a[RMAX][NV];
     for (int r = 0; r < R; r++)
         for (int j = 0; j < NV; j++) a[r][j] = (vw){0};
     for (int64_t i = 0; i < in_f; i++) {
-        /* the next block's weights into L2 while this one is multiplied (the hardware prefetcher alone leaves the
-           FMAs waiting for memory) */
-        if (ahead) { __builtin_prefetch(ahead + i * NB, 0, 2); __builtin_prefetch(ahead + i * NB + 16, 0, 2); }
+        /* `lines` cache lines per input from `ahead` (this tile's share of the next block) into L2 while this block
+           is multiplied: without it the FMAs wait for memory (measured: 10-25 % off 8- and 16-row products). The
+           test is loop-invariant: the compiler makes one loop per case. */
+        if (lines == 2) { __builtin_prefetch(ahead + i * 32, 0, 2); __builtin_prefetch(ahead + i * 32 + 16, 0, 2); }
+        else if (lines == 1) __builtin_prefetch(ahead + i * 16, 0, 2);
         vw w[NV];
         for (int j = 0; j < NV; j++) w[j] = loadw(P + i * NB + j * (NB / NV));
         for (int r = 0; r < R; r++) {
-            const vw x = (vw){0} + X[r * in_f + i];
+            const vw x = splatw(X[r * in_f + i]);
             for (int j = 0; j < NV; j++) a[r][j] = maddw(a[r][j], w[j], x);
         }
     }
     for (int r = 0; r < R; r++) memcpy(acc + r * NB, a[r], sizeof a[r]);
 }
 
-#define PREFETCH_FROM 4  /* rows from which a tile prefetches the next block: it costs 1-2 row products time */
+#define PREFETCH_FROM 4  /* rows from which tiles prefetch the next block (below, the hardware prefetcher does better) */
 #define TILE(R) static __attribute__((noinline)) void tile##R(const float *P, const float *X, int64_t in_f, \
-                                                               float *acc, const float *ahead) { \
-    tile(P, X, in_f, R < RMAX ? R : RMAX, acc, R >= PREFETCH_FROM ? ahead : 0); }
+                                                               float *acc, const float *ahead, int lines) { \
+    tile(P, X, in_f, R < RMAX ? R : RMAX, acc, ahead, R >= PREFETCH_FROM && ahead ? lines : 0); }
 TILE(1) TILE(2) TILE(3) TILE(4) TILE(5) TILE(6) TILE(7) TILE(8) TILE(9) TILE(10) TILE(11) TILE(12)
 #undef TILE
-typedef void (*tile_fn)(const float *, const float *, int64_t, float *, const float *);
+typedef void (*tile_fn)(const float *, const float *, int64_t, float *, const float *, int);
 static const tile_fn TILES[13] = {0, tile1, tile2, tile3, tile4, tile5, tile6, tile7, tile8, tile9, tile10, tile11,
                                   tile12};
 
@@ -126,7 +130,7 @@ static __attribute__((noinline)) void tile1x2(const float *Pa, const float *Pb, 
     vw a[NV], b[NV];
     for (int j = 0; j < NV; j++) a[j] = b[j] = (vw){0};
     for (int64_t i = 0; i < in_f; i++) {
-        const vw x = (vw){0} + X[i];
+        const vw x = splatw(X[i]);
         for (int j = 0; j < NV; j++) {
             a[j] = maddw(a[j], loadw(Pa + i * NB + j * (NB / NV)), x);
             b[j] = maddw(b[j], loadw(Pb + i * NB + j * (NB / NV)), x);
@@ -139,6 +143,20 @@ static __attribute__((noinline)) void tile1x2(const float *Pa, const float *Pb, 
 /* rows per tile for the `left` rows still to do: all of them up to RMAX, else halves, else RMAX */
 static inline int tile_rows(int64_t left) {
     return left <= RMAX ? (int)left : left < 2 * RMAX ? (int)((left + 1) / 2) : RMAX;
+}
+
+/* number of row tiles M rows take */
+static inline int tile_count(int64_t M) {
+    int n = 0;
+    for (int64_t m0 = 0; m0 < M; m0 += tile_rows(M - m0)) n++;
+    return n;
+}
+
+/* What row tile t of T prefetches of the next block (next: that block, or NULL for none): all of it (two lines per
+   input) when it is the only tile, else the first two tiles one half each (one line per input). */
+static inline const float *ahead_share(const float *next, int64_t in_f, int t, int T, int *lines) {
+    *lines = !next || t > 1 ? 0 : T == 1 ? 2 : 1;
+    return next && t == 1 ? next + in_f * 16 : next;
 }
 
 /* Y[m0 + r, o] = acc[r, o - b NB] (+ B[o]) for r < R and the outputs o of block b */
@@ -161,11 +179,13 @@ static void linear_blocks(const float *P, const float *X, const float *B, float 
             b += 2;
             continue;
         }
-        for (int64_t m0 = 0; m0 < M;) {
+        const int T = tile_count(M);
+        int t = 0;
+        for (int64_t m0 = 0; m0 < M; t++) {
             const int R = tile_rows(M - m0);
-            /* the first row tile fetches the next block ahead; the others find this block in L2 */
-            const float *ahead = P + (m0 == 0 && b + 1 < hi ? b + 1 : b) * in_f * NB;
-            TILES[R](P + b * in_f * NB, X + m0 * in_f, in_f, acc, ahead);
+            int n;
+            const float *ahead = ahead_share(b + 1 < hi ? P + (b + 1) * in_f * NB : 0, in_f, t, T, &n);
+            TILES[R](P + b * in_f * NB, X + m0 * in_f, in_f, acc, ahead, n);
             store_block(Y, acc, B, b, out_f, m0, R);
             m0 += R;
         }
@@ -194,18 +214,23 @@ void rows_linear(const float *P, const float *X, const float *B, float *Y,
 /* A gated MLP's first half: Y[m, o] = silu(G[o] . X[m]) * (U[o] . X[m]), G and U packed, block by block. */
 void rows_gated(const float *G, const float *U, const float *X, float *Y,
                 int64_t out_f, int64_t in_f, int64_t M, int nthreads) {
+    const int64_t nblk = (out_f + NB - 1) / NB;
+    const int T = tile_count(M);
     #pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int64_t b = 0; b < (out_f + NB - 1) / NB; b++) {
+    for (int64_t b = 0; b < nblk; b++) {
         float g[RMAX * NB], u[RMAX * NB];
         const int64_t o0 = b * NB, n = out_f - o0 < NB ? out_f - o0 : NB;
-        for (int64_t m0 = 0; m0 < M;) {
+        int t = 0;
+        for (int64_t m0 = 0; m0 < M; t++) {
             const int R = tile_rows(M - m0);
             if (R == 1) {
                 tile1x2(G + b * in_f * NB, U + b * in_f * NB, X + m0 * in_f, in_f, g, u);
             } else {
-                const int64_t next = m0 == 0 && b + 1 < (out_f + NB - 1) / NB ? b + 1 : b;
-                TILES[R](G + b * in_f * NB, X + m0 * in_f, in_f, g, G + next * in_f * NB);
-                TILES[R](U + b * in_f * NB, X + m0 * in_f, in_f, u, U + next * in_f * NB);
+                int ng, nu;
+                const float *ag = ahead_share(b + 1 < nblk ? G + (b + 1) * in_f * NB : 0, in_f, t, T, &ng);
+                const float *au = ahead_share(b + 1 < nblk ? U + (b + 1) * in_f * NB : 0, in_f, t, T, &nu);
+                TILES[R](G + b * in_f * NB, X + m0 * in_f, in_f, g, ag, ng);
+                TILES[R](U + b * in_f * NB, X + m0 * in_f, in_f, u, au, nu);
             }
             for (int r = 0; r < R; r++)
                 for (int64_t o = 0; o < n; o++) {
