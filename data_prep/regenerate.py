@@ -21,6 +21,7 @@ import torch
 from tqdm import tqdm
 
 from data_prep.render import SkipRow, check_chat_template, render_text
+from eagle.attention import use_gqa_sdpa
 from eagle.fastlinear import disable_fast_linear, enable_fast_linear, fast_linear_enabled
 from eagle.target import preallocated_cache
 
@@ -163,6 +164,9 @@ def regenerate_with_stats(target, conversations: list[list[dict]], max_new_token
     patched = target.device.type == "cpu" and not fast_linear_enabled(target.model)
     if patched:  # batched decoding steps multiply each weight by <= batch_size rows: the measured layouts help
         enable_fast_linear(target.model)
+    # a step's left-padded batch brings a mask, with which `sdpa` copies the cache per query head; gqa_sdpa reads it
+    # in place (eagle.attention)
+    switched = target.model.config._attn_implementation == "sdpa" and use_gqa_sdpa(target.model, True)
     try:
         _regenerate_turns(target, parts, done, active, result, bar, n_turns, max_new_tokens, batch_size,
                           max_prompt_tokens, pad_id, eos, t0, keep_features,
@@ -170,6 +174,8 @@ def regenerate_with_stats(target, conversations: list[list[dict]], max_new_token
     finally:
         if patched:
             disable_fast_linear(target.model)
+        if switched:
+            use_gqa_sdpa(target.model, False)
     bar.close()
     result.seconds = time.perf_counter() - t0
     return result

@@ -201,19 +201,40 @@ static inline void share(int64_t n, int64_t *lo, int64_t *hi) {
 }
 
 /* Y[m, o] = sum_i W[o, i] X[m, i] (+ B[o]) for m < M, W packed as P. Output blocks are split over the threads. */
+static void gated_chunk(const float *G, const float *U, const float *X, float *Y, int64_t out_f, int64_t in_f,
+                        int64_t M, int nthreads);
+
+/* rows per chunk of a long input: about 1 MB of input rows, which stay in L2 while every block of the weight passes
+   over them (else each block would read all the rows from memory again); a multiple of RMAX */
+static inline int64_t row_chunk(int64_t in_f) {
+    const int64_t rows = (1 << 18) / in_f / RMAX * RMAX;
+    return rows > RMAX ? rows : RMAX;
+}
+
 void rows_linear(const float *P, const float *X, const float *B, float *Y,
                  int64_t out_f, int64_t in_f, int64_t M, int nthreads) {
-    #pragma omp parallel num_threads(nthreads)
-    {
-        int64_t lo, hi;
-        share((out_f + NB - 1) / NB, &lo, &hi);
-        linear_blocks(P, X, B, Y, lo, hi, out_f, in_f, M);
+    const int64_t chunk = row_chunk(in_f);
+    for (int64_t c = 0; c < M; c += chunk) {
+        const int64_t rows = M - c < chunk ? M - c : chunk;
+        #pragma omp parallel num_threads(nthreads)
+        {
+            int64_t lo, hi;
+            share((out_f + NB - 1) / NB, &lo, &hi);
+            linear_blocks(P, X + c * in_f, B, Y + c * out_f, lo, hi, out_f, in_f, rows);
+        }
     }
 }
 
 /* A gated MLP's first half: Y[m, o] = silu(G[o] . X[m]) * (U[o] . X[m]), G and U packed, block by block. */
 void rows_gated(const float *G, const float *U, const float *X, float *Y,
                 int64_t out_f, int64_t in_f, int64_t M, int nthreads) {
+    const int64_t chunk = row_chunk(in_f);
+    for (int64_t c = 0; c < M; c += chunk)
+        gated_chunk(G, U, X + c * in_f, Y + c * out_f, out_f, in_f, M - c < chunk ? M - c : chunk, nthreads);
+}
+
+static void gated_chunk(const float *G, const float *U, const float *X, float *Y, int64_t out_f, int64_t in_f,
+                        int64_t M, int nthreads) {
     const int64_t nblk = (out_f + NB - 1) / NB;
     const int T = tile_count(M);
     #pragma omp parallel for num_threads(nthreads) schedule(static)
