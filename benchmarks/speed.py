@@ -2,7 +2,7 @@
 transformers' `generate`, its prompt lookup, our plain greedy and our speculative decoding, all in one run.
 
     .venv/bin/python benchmarks/speed.py --data ../shared/evaldata/mt_bench.jsonl --num-prompts 20 \
-        --draft runs/demo/head --k 3
+        --draft runs/demo/head --k 3            # or --dynamic 4,3,8 for an EAGLE-2 tree
 
 Parts (every timing is a median over repeats, methods interleaved so machine noise hits them alike):
 1. memory: read bandwidth (a 256 MB sum) and the bytes of the target's weights, i.e. the floor of one step;
@@ -78,6 +78,8 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=20)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--k", type=int, default=3, help="drafted tokens per round for the speculative run")
+    ap.add_argument("--dynamic", metavar="TOP_K,DEPTH,TOTAL",
+                    help="an EAGLE-2 dynamic tree for the speculative run instead of the chain, e.g. 4,3,8")
     ap.add_argument("--lookup", type=int, default=10, help="prompt_lookup_num_tokens for transformers")
     ap.add_argument("--context", type=int, default=256, help="KV-cache length for the pass-cost curve")
     ap.add_argument("--repeats", type=int, default=7)
@@ -86,6 +88,11 @@ def main() -> None:
     target = load_target(args.target)
     dec = SpeculativeDecoder.from_pretrained(target, args.draft)
     dec.generate([1, 2, 3], 2, speculative=False)  # calibrates the layouts once (cached on disk afterwards)
+    if args.dynamic:
+        top_k, depth, total = map(int, args.dynamic.split(","))
+        spec_kw = dict(mode="dynamic", top_k=top_k, depth=depth, total_tokens=total)
+    else:
+        spec_kw = dict(mode="chain", num_speculative_tokens=args.k)
 
     # 1-2. memory floor and the pass-cost curve, stock vs fast
     # every weight is read once per step (a tied embedding counts once: its lm_head use reads it whole)
@@ -124,7 +131,7 @@ def main() -> None:
     hf_generate(target, warm, 8)
     dec.generate(warm, 8, speculative=False)
     if args.draft:
-        dec.generate(warm, 8, num_speculative_tokens=args.k)
+        dec.generate(warm, 8, **spec_kw)
     for i, p in enumerate(prompts):
         ids = dec.encode(p["prompt"])
         runs = {"hf_generate": hf_generate(target, ids, n), "hf_prompt_lookup": hf_generate(target, ids, n, args.lookup)}
@@ -133,7 +140,7 @@ def main() -> None:
         fast = dec.generate(ids, n, speculative=False)
         runs["engine_greedy"] = (fast.token_ids, fast.total_s)
         if args.draft:
-            spec = dec.generate(ids, n, num_speculative_tokens=args.k)
+            spec = dec.generate(ids, n, **spec_kw)
             runs["spec"] = (spec.token_ids, spec.total_s)
             emitted += sum(spec.accept_lengths) + spec.rounds
             passes += spec.rounds
@@ -152,7 +159,7 @@ def main() -> None:
     ms_per_token = 1e3 / tps["engine_greedy"]
     result = {
         "target": args.target, "draft": args.draft, "data": args.data, "num_prompts": len(prompts),
-        "max_new_tokens": n, "k": args.k, "threads": threads,
+        "max_new_tokens": n, "spec_setting": spec_kw, "threads": threads,
         "hf_generate_tps": tps["hf_generate"], "hf_prompt_lookup_tps": tps["hf_prompt_lookup"],
         "engine_greedy_stock_tps": tps["engine_greedy_stock"], "engine_greedy_tps": tps["engine_greedy"],
         "spec_tps": tps.get("spec"), "spec_tau": emitted / passes if passes else None,
