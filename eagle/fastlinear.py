@@ -27,10 +27,11 @@ what the layer's own forward does; an attention module alone likewise (`cpukerne
 
 The plan is cached per machine, thread count, torch version, set of shapes and available layouts under
 `$EAGLE_CACHE/fastlinear/`.
-Only inference is affected: with gradients enabled and on other devices the stock forward runs. Above `MAX_ROWS`
-rows (a prefill, a regeneration batch) the layout measured for `MAX_ROWS` applies: the packed kernel multiplies
-256-1024 rows at 2.3-2.7x `F.linear`'s speed here (BENCHMARKS.md). Results agree with the stock forward to float32
-rounding (the summation order differs).
+With gradients enabled (training a head) a patched linear layer's products, forward and backward, run through the
+packed kernel too (`train_linear`); norms, attention and MLPs keep their stock forwards there. On other devices
+the stock forward runs. Above `MAX_ROWS` rows (a prefill, a regeneration batch) the layout measured for `MAX_ROWS`
+applies: the packed kernel multiplies 256-1024 rows at 2.3-2.7x `F.linear`'s speed here (BENCHMARKS.md). Results
+agree with the stock forward to float32 rounding (the summation order differs).
 """
 
 from __future__ import annotations
@@ -221,9 +222,20 @@ def load_or_calibrate(model: nn.Module, run: Callable[[int], float] | None = Non
 
 def _fast_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     w = self.weight
-    if not x.is_cpu or (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)):
+    if not x.is_cpu:
         return F.linear(x, w, self.bias)
+    if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
+        return train_linear(x, w, self.bias)
     return _apply(x, w, self.bias, self._fast_by_rows[_row_index(x)])  # layouts checked to fit when patched
+
+
+def train_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`F.linear` where gradients are wanted: its forward and backward products through the packed kernel
+    (`cpukernel.linear_with_grad`) for float32 on the CPU with the kernel built, else `F.linear` itself."""
+    if (x.dtype == weight.dtype == torch.float32 and x.is_cpu and weight.is_cpu and x.dim() >= 2
+            and cpukernel.available()):
+        return cpukernel.linear_with_grad(x, weight, bias)
+    return F.linear(x, weight, bias)
 
 
 def _row_index(x: torch.Tensor) -> int:
@@ -556,6 +568,8 @@ def linear_as(mod: nn.Module, x: torch.Tensor, weight: torch.Tensor) -> torch.Te
     product when `mod` is not patched): for a product that is not a layer of its own, such as an EAGLE-1 head's
     logits over the target's lm_head rows of its draft vocabulary."""
     by_rows = mod.__dict__.get("_fast_by_rows")
+    if by_rows is not None and x.is_cpu and torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return train_linear(x, weight, None)
     if by_rows is None or _stock_path(x, weight):
         return F.linear(x, weight)
     return _apply(x, weight, None, _fitting(by_rows[_row_index(x)], weight))

@@ -186,3 +186,22 @@ def test_attention_modules_and_layers_are_patched_bit_for_bit_and_only_plain_one
     assert torch.equal(one_call_layers, stock) and torch.equal(fused_attention, stock)
     disable_fast_linear(target.model)
     use_gqa_sdpa(target.model, False)
+
+
+@pytest.mark.skipif(not cpukernel.available(), reason="the C kernel does not build here")
+def test_kernel_products_give_f_linear_gradients():
+    # a head trained with its linear layers patched: forward and backward products through the packed kernel
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 19, 40, generator=g, requires_grad=True)
+    w = torch.randn(70, 40, generator=g, requires_grad=True)
+    b = torch.randn(70, generator=g, requires_grad=True)
+    gy = torch.randn(2, 19, 70, generator=g)
+    want = torch.autograd.grad(F.linear(x, w, b), (x, w, b), gy)
+    got = torch.autograd.grad(cpukernel.linear_with_grad(x, w, b), (x, w, b), gy)
+    for a, c in zip(got, want):
+        assert a.shape == c.shape
+        torch.testing.assert_close(a, c, rtol=1e-4, atol=1e-4)
+    layer = nn.Linear(40, 70)
+    enable_fast_linear(layer, Plan(layouts={"70x40": {r: "kernel" for r in BUCKETS}}))
+    layer(x).sum().backward()  # the patched forward with gradients wanted
+    assert layer.weight.grad is not None and x.grad is not None

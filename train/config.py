@@ -98,3 +98,6 @@ class TrainConfig:
     log_every: int = 10
     seed: int = 0
     num_threads: int = 0  # torch threads (0: torch's default)
+    # on the CPU, the head's linear layers (forward and backward) and validation decoding through the packed C
+    # kernel (eagle.fastlinear); false: torch's own products throughout
+    fast_linear: bool = True

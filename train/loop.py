@@ -31,6 +31,7 @@ from eagle import EagleHead, HeadCache, HeadConfig, TargetModel, load_target
 from eagle.checkpoint import load_head, save_head
 from eagle.features import features_path, load_features, save_features
 from eagle.configio import save_config
+from eagle.fastlinear import enable_fast_linear, linear_as
 from eagle.head import eagle3_layers, make_head
 from train.config import TrainConfig
 
@@ -217,7 +218,7 @@ def head_loss(head: EagleHead, ids, mask, feats, cfg: TrainConfig, gen, noise: b
         if out.shape[0] == 0:
             break
         with torch.no_grad():
-            p_logits = F.linear(want, head.draft_lm_weight)
+            p_logits = linear_as(head.lm_head, want, head.draft_lm_weight)  # F.linear unless the fast path is on
             if head.config.logit_softcap:
                 p_logits = torch.tanh(p_logits / head.config.logit_softcap) * head.config.logit_softcap
             p = F.softmax(p_logits, dim=-1)
@@ -357,7 +358,8 @@ def validate(head, target, val_rows, val_feats, prompts, cfg: TrainConfig) -> di
         dec = SpeculativeDecoder(target, head)
         emitted = rounds = 0
         for p in prompts:
-            out = dec.generate(p, cfg.eval.max_new_tokens, num_speculative_tokens=cfg.eval.num_speculative_tokens)
+            out = dec.generate(p, cfg.eval.max_new_tokens, num_speculative_tokens=cfg.eval.num_speculative_tokens,
+                               fast_linear=cfg.fast_linear)
             emitted += sum(out.accept_lengths) + out.rounds
             rounds += out.rounds
         stats["val_tau"] = emitted / max(rounds, 1)
@@ -437,6 +439,8 @@ def train(cfg: TrainConfig, target: TargetModel | None = None) -> dict:
         opt.load_state_dict(torch.load(run / "checkpoint" / "optimizer.pt", weights_only=True))
     head, opt = accelerator.prepare(head, opt)
     raw = accelerator.unwrap_model(head)
+    if cfg.fast_linear and accelerator.device.type == "cpu":
+        enable_fast_linear(raw)  # the layers' products, forward and backward, through the packed kernel
 
     state = state or {"step": 0, "epoch": 0, "batch_in_epoch": 0, "train_s": 0.0, "best_tau": -1.0,
                       "tokens": 0, "done": False}
