@@ -16,8 +16,9 @@
   about a quarter off a one-token pass (BENCHMARKS.md).
 
 Every output row is computed alone, in the same order whatever the number of rows (each product summed over the
-inputs in order, one FMA each; a fixed reduction elsewhere; masked keys adding exact zeros), so a verification pass over M tokens gives each token exactly the bits
-a single-token step gives it (tests/test_attention.py checks a whole model).
+inputs in order, one FMA each; a fixed reduction elsewhere; masked keys adding exact zeros), so a verification pass
+over M tokens gives each token exactly the bits a single-token step gives it (tests/test_attention.py checks a
+whole model).
 
 The source is compiled once per machine with the system C compiler (`cc -O3 -march=native -fopenmp`) into
 `$EAGLE_CACHE/kernels/`. Without a compiler, or on a CPU the build fails on, `available()` is False and callers
@@ -123,8 +124,8 @@ static const tile_fn TILES[13] = {0, tile1, tile2, tile3, tile4, tile5, tile6, t
                                   tile12};
 
 /* One row against two blocks at once (two blocks of one weight, or a gate and an up block): a single row's tile has
-   only NV independent FMA chains, too few to keep the FMA units busy; two blocks double them. The sums are
-   tile()'s, bit for bit. Measured: a one-token pass ~1.5 ms faster (BENCHMARKS.md). */
+   only NV independent FMA chains, too few to keep both FMA units busy; two blocks double them. The sums are
+   tile()'s, bit for bit. */
 static __attribute__((noinline)) void tile1x2(const float *Pa, const float *Pb, const float *X, int64_t in_f,
                                                float *acc_a, float *acc_b) {
     vw a[NV], b[NV];
@@ -200,7 +201,6 @@ static inline void share(int64_t n, int64_t *lo, int64_t *hi) {
     *hi = n * (t + 1) / T;
 }
 
-/* Y[m, o] = sum_i W[o, i] X[m, i] (+ B[o]) for m < M, W packed as P. Output blocks are split over the threads. */
 static void gated_chunk(const float *G, const float *U, const float *X, float *Y, int64_t out_f, int64_t in_f,
                         int64_t M, int nthreads);
 
@@ -211,6 +211,7 @@ static inline int64_t row_chunk(int64_t in_f) {
     return rows > RMAX ? rows : RMAX;
 }
 
+/* Y[m, o] = sum_i W[o, i] X[m, i] (+ B[o]) for m < M, W packed as P. Output blocks are split over the threads. */
 void rows_linear(const float *P, const float *X, const float *B, float *Y,
                  int64_t out_f, int64_t in_f, int64_t M, int nthreads) {
     const int64_t chunk = row_chunk(in_f);

@@ -599,6 +599,7 @@ def disable_fast_linear(model: nn.Module) -> None:
         if "forward" in mod.__dict__:
             del mod.forward
             del mod._fast_by_rows
+            cpukernel.unpack(mod.weight)  # the packed copy the kernel kept (the weight's size again)
 
 
 def fast_linear_enabled(model: nn.Module) -> bool:
