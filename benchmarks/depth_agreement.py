@@ -30,7 +30,8 @@ from eagle import EagleHead, load_target
 from infer import SpeculativeDecoder
 from infer.evaluate import load_prompts
 from train.config import TrainConfig
-from train.loop import acceptance_stats, cached_features, head_inputs, load_rows, simulated_accepts, unrolled
+from train.loop import (acceptance_stats, cached_features, depth_counts, head_inputs, load_rows, simulated_accepts,
+                        unrolled)
 
 
 @torch.inference_mode()
@@ -52,11 +53,6 @@ def teacher_forced(head, target, rows, feats, depths: int) -> list[tuple[int, in
                     counts[s][1] += 1
                     counts[s][0] += int(ok[s][p + s])
     return [tuple(c) for c in counts]
-
-
-def depth_counts(accepts: list[int], k: int) -> list[tuple[int, int]]:
-    """(rounds that accepted draft s, rounds that checked it) for s = 1..k, from accepted counts per round."""
-    return [(sum(a >= s for a in accepts), sum(a >= s - 1 for a in accepts)) for s in range(1, k + 1)]
 
 
 def main() -> None:

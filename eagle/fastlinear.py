@@ -224,7 +224,7 @@ def _fast_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     w = self.weight
     if not x.is_cpu:
         return F.linear(x, w, self.bias)
-    if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
+    if _wants_grad(x, w):
         return train_linear(x, w, self.bias)
     return _apply(x, w, self.bias, self._fast_by_rows[_row_index(x)])  # layouts checked to fit when patched
 
@@ -238,6 +238,11 @@ def train_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return F.linear(x, weight, bias)
 
 
+def _wants_grad(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether autograd records this product (training)."""
+    return torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+
+
 def _row_index(x: torch.Tensor) -> int:
     """Index into a module's `_fast_by_rows`: x's rows, or MAX_ROWS for more (the largest bucket's layout)."""
     rows = x.numel() // x.shape[-1]
@@ -246,8 +251,7 @@ def _row_index(x: torch.Tensor) -> int:
 
 def _stock_path(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether a patched module must run its stock forward for this input (training, other devices or dtypes)."""
-    return (not x.is_cpu or x.dtype != torch.float32
-            or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)))
+    return not x.is_cpu or x.dtype != torch.float32 or _wants_grad(x, weight)
 
 
 def _norm_kernel(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -297,7 +301,7 @@ def _cache_slot(attn: nn.Module, x: torch.Tensor, pe, mask, cache):
     m = x.shape[1]
     cos, sin = pe
     if (not x.is_cpu or x.dtype != torch.float32 or not x.is_contiguous()
-            or (torch.is_grad_enabled() and (x.requires_grad or attn._fused_params[0]["weight"].requires_grad))
+            or _wants_grad(x, attn._fused_params[0]["weight"])
             or _attn_implementation(attn.config) != ATTENTION_IMPLEMENTATION
             or cos.shape != (1, m, attn.head_dim) or cos.dtype != torch.float32 or sin.shape != cos.shape
             or not (cos.is_contiguous() and sin.is_contiguous())):
@@ -568,7 +572,7 @@ def linear_as(mod: nn.Module, x: torch.Tensor, weight: torch.Tensor) -> torch.Te
     product when `mod` is not patched): for a product that is not a layer of its own, such as an EAGLE-1 head's
     logits over the target's lm_head rows of its draft vocabulary."""
     by_rows = mod.__dict__.get("_fast_by_rows")
-    if by_rows is not None and x.is_cpu and torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+    if by_rows is not None and x.is_cpu and _wants_grad(x, weight):
         return train_linear(x, weight, None)
     if by_rows is None or _stock_path(x, weight):
         return F.linear(x, weight)

@@ -300,10 +300,15 @@ def simulated_accepts(head: EagleHead, target: TargetModel, rows, feats, k: int,
     return out
 
 
+def depth_counts(accepts: list[int], k: int) -> list[tuple[int, int]]:
+    """(rounds that accepted draft s, rounds that checked it) for s = 1..k, from accepted counts per round."""
+    return [(sum(a >= s for a in accepts), sum(a >= s - 1 for a in accepts)) for s in range(1, k + 1)]
+
+
 def acceptance_stats(accepts: list[int], k: int) -> dict:
     """tau (tokens per target pass) and the conditional acceptance at each depth of a list of accepted counts."""
     rounds = max(len(accepts), 1)
-    rates = [sum(a >= s for a in accepts) / max(sum(a >= s - 1 for a in accepts), 1) for s in range(1, k + 1)]
+    rates = [a / max(n, 1) for a, n in depth_counts(accepts, k)]
     return {"tau": (sum(accepts) + len(accepts)) / rounds, "accept": [round(r, 4) for r in rates]}
 
 
