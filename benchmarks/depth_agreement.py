@@ -45,7 +45,7 @@ def teacher_forced(head, target, rows, feats, depths: int) -> list[tuple[int, in
         truth = (f[0, 1:, :H] @ W.T).argmax(-1)[:-1]  # the target's token p + 2, from its feature p + 1
         scored = mask[2:]
         ok = [head.to_target_ids(head.logits(pred[0]).argmax(-1))[:-1] == truth
-              for _, pred in unrolled(head, head_inputs(head, f), ids[:, 1:], depths)]
+              for _, pred, _ in unrolled(head, head_inputs(head, f), ids[:, 1:], depths)]
         L = truth.shape[0]
         for s in range(depths):  # a chain drafted at position p checks depth j + 1 at position p + j
             for p in range(L - s):

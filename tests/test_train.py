@@ -145,6 +145,7 @@ def test_unrolled_steps_see_what_drafting_sees():
     ("model.head_type=eagle3", "model.feature_layers=[0,1,2]", "loss.steps=3"),
     ("data.online=true",),
     ("model.head_type=eagle3", "model.feature_layers=[1,2,2]", "loss.steps=2", "data.online=true"),
+    ("model.head_type=eagle3", "model.feature_layers=[0,1,2]", "loss.steps=4", "loss.unroll_fraction=0.3"),
 ])
 def test_eagle3_and_online_training_learn(tmp_path, target, overrides):
     """Top-1 agreement with the target rises (EAGLE-3's CE alone cannot fall below the entropy of p, which is
@@ -189,6 +190,44 @@ def test_eagle3_unrolled_steps_see_what_drafting_sees():
         for q in (p - 1, p):
             h = head(h, ids[:, q + 1: q + 2], torch.tensor([[q]]), cache=c)
     torch.testing.assert_close(preds[2][0, p], h[0, 0])
+
+
+@pytest.mark.parametrize("kind", ["eagle1", "eagle3"])
+def test_sparse_unroll_equals_the_dense_one_along_its_chains(kind):
+    """`loss.unroll_fraction` < 1: steps 2.. run only along chains from a few start positions, and give exactly
+    what the dense training-time test gives at those positions."""
+    from test_eagle3 import eagle3_head
+    from tiny import tiny_head
+
+    from train.loop import chain_starts, unrolled
+
+    t = tiny_target()
+    head = tiny_head(t) if kind == "eagle1" else eagle3_head(t)
+    torch.manual_seed(0)
+    T, steps = 11, 4
+    feats = torch.randn(2, T, 32 if kind == "eagle1" else 3 * 32, dtype=torch.float64)
+    ids = torch.randint(4, 90, (2, T + 1))
+    starts = torch.tensor([0, 3, 7])  # the last start that fits: T - steps
+    dense = list(unrolled(head, feats, ids[:, 1:], steps))
+    sparse = list(unrolled(head, feats, ids[:, 1:], steps, starts))
+    assert [s for s, _, _ in sparse] == [1, 2, 3, 4]
+    assert sparse[-1][2].tolist() == [3, 6, 10]
+    for (_, want, _), (_, got, q) in zip(dense, sparse):
+        torch.testing.assert_close(got, want[:, q])
+    g = torch.Generator().manual_seed(0)
+    assert chain_starts(T, steps, 1.0, g) is None and chain_starts(T, 1, 0.5, g) is None
+    got = chain_starts(T, steps, 0.5, g)
+    assert len(got) == 6 and got.tolist() == sorted(set(got.tolist())) and got.max() <= T - steps
+
+
+def test_unroll_fraction_out_of_range_and_validation_only_at_the_end(tmp_path, target):
+    write_prepared(tmp_path / "data", target, rows=8)
+    with pytest.raises(TrainError, match=r"loss.unroll_fraction 0.0: expected a fraction in \(0, 1\]"):
+        train(config(tmp_path, "budget.max_steps=1", "loss.unroll_fraction=0"), target=target)
+    train(config(tmp_path, "budget.max_steps=4", "eval.every_minutes=0", "loss.steps=3", "loss.unroll_fraction=0.3"),
+          target=target)
+    log = [json.loads(l) for l in (tmp_path / "run/log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log if "val_loss" in r] == [4]  # every_minutes=0: once, at the end
 
 
 def test_draft_vocab_also_counts_the_replies_of_a_larger_sample(tmp_path, target):

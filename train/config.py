@@ -62,6 +62,9 @@ class LossConfig:
     # features before them as when drafting (EAGLE-3's training-time test). Step s is weighted step_decay^(s-1).
     steps: int = 1
     step_decay: float = 0.8
+    # Steps 2.. on this fraction of the positions only: random chain starts, each unrolled as drafting from it
+    # would (1.0: every position, the dense test). Step 1 always trains on every position.
+    unroll_fraction: float = 1.0
     # Which positions are scored: "assistant" (the next token is an assistant token, i.e. the target's own text when
     # the rows were regenerated) or "all" (prompt and template positions too: the label is the target's p there as
     # well, so they are more examples of the same mapping from features to the next feature and distribution).
@@ -78,7 +81,7 @@ class BudgetConfig:
 
 @dataclass
 class EvalConfig:
-    every_minutes: float = 3.0  # validate this often (and at the end); the best checkpoint is kept
+    every_minutes: float = 3.0  # validate this often (0: only at the end); the best checkpoint is kept
     num_prompts: int = 4  # held-out prompts decoded speculatively (a check of the simulated tau on a few prompts)
     max_new_tokens: int = 64
     num_speculative_tokens: int = 4  # k of the chain decoding simulated along every held-out row (picks the best head)

@@ -161,20 +161,45 @@ def unrolled_mask(n: int, s: int) -> torch.Tensor:
     return torch.cat(blocks, dim=1)
 
 
-def unrolled(head: EagleHead, x: torch.Tensor, next_ids: torch.Tensor, steps: int):
-    """Yield (s, predictions [B, n, H]) for s = 1..steps: step 1 reads the features x [B, n, *] with the tokens
-    next_ids [B, n]; step s > 1 reads, at position p, step s-1's prediction made at p - 1, attending as drafting
-    does (`unrolled_mask`). The training-time test, shared by the loss and benchmarks/depth_agreement.py."""
+def unrolled(head: EagleHead, x: torch.Tensor, next_ids: torch.Tensor, steps: int,
+             starts: torch.Tensor | None = None):
+    """Yield (s, predictions [B, m, H], positions [m]) for s = 1..steps: the training-time test, shared by the loss
+    and benchmarks/depth_agreement.py. Step 1 reads the features x [B, n, *] with the tokens next_ids [B, n] at
+    every position. Step s > 1 reads, at position p, step s-1's prediction made at p - 1, attending as drafting does
+    (`unrolled_mask`): at every position (`starts` None, m = n), or only along the m chains drafted from the
+    positions `starts` [m] (sorted, at most n - steps): chain j's step s sits at starts[j] + s - 1 and sees the
+    true entries up to starts[j] and its own drafted entries, so each later step costs m rows instead of n."""
     B, n = next_ids.shape
     dev = next_ids.device
-    pos = torch.arange(n, device=dev)[None].expand(B, -1)
+    pos = torch.arange(n, device=dev)
     cache = HeadCache() if steps > 1 else None
-    pred = None
-    for s in range(1, steps + 1):
-        if s > 1:
+    pred = head(x, next_ids, pos[None].expand(B, -1), cache=cache)
+    yield 1, pred, pos
+    if starts is not None:
+        m = starts.shape[0]
+        pred = pred[:, starts]
+        seen = torch.arange(n, device=dev)[None] <= starts[:, None]  # [m, n] true entries of each chain
+        own = torch.eye(m, dtype=torch.bool, device=dev)
+    for s in range(2, steps + 1):
+        if starts is None:
             x = torch.cat([torch.zeros_like(pred[:, :1]), pred[:, :-1]], dim=1)
-        pred = head(x, next_ids, pos, cache=cache, mask=None if s == 1 else unrolled_mask(n, s).to(dev))
-        yield s, pred
+            pred = head(x, next_ids, pos[None].expand(B, -1), cache=cache, mask=unrolled_mask(n, s).to(dev))
+            yield s, pred, pos
+        else:
+            q = starts + (s - 1)
+            pred = head(pred, next_ids[:, q], q[None].expand(B, -1), cache=cache,
+                        mask=torch.cat([seen] + [own] * (s - 1), dim=1))
+            yield s, pred, q
+
+
+def chain_starts(n: int, steps: int, fraction: float, gen: torch.Generator | None) -> torch.Tensor | None:
+    """Random chain starts for a sparse training-time test (`loss.unroll_fraction` of the n positions), or None
+    for the dense one (every position)."""
+    room = n - steps + 1
+    if steps == 1 or fraction >= 1.0 or room < 1:
+        return None
+    m = max(1, min(room, math.ceil(fraction * n)))
+    return torch.randperm(room, generator=gen)[:m].sort().values
 
 
 def head_inputs(head: EagleHead, feats: torch.Tensor, noise: float = 0.0, gen=None) -> torch.Tensor:
@@ -211,10 +236,13 @@ def head_loss(head: EagleHead, ids, mask, feats, cfg: TrainConfig, gen, noise: b
     if eagle3:
         scored[:, :-1] &= head.t2d[ids[:, 2:]]
     total, stats = 0.0, {}
-    for s, pred in unrolled(head, x, ids[:, 1:], cfg.loss.steps):
-        sel = scored.clone()
-        sel[:, : s - 1] = False  # positions before s-1 have no step-s input
-        out, want = pred[sel], last[:, 1:][sel]  # only scored positions reach the costly lm_head
+    starts = chain_starts(n, cfg.loss.steps, cfg.loss.unroll_fraction if noise else 1.0, gen)
+    for s, pred, q in unrolled(head, x, ids[:, 1:], cfg.loss.steps,
+                               None if starts is None else starts.to(ids.device)):
+        sel = scored[:, q].clone()
+        if starts is None:
+            sel[:, : s - 1] = False  # positions before s-1 have no step-s input
+        out, want = pred[sel], last[:, 1:][:, q][sel]  # only scored positions reach the costly lm_head
         if out.shape[0] == 0:
             break
         with torch.no_grad():
@@ -283,7 +311,7 @@ def batch_accepts(head: EagleHead, target: TargetModel, ids, mask, f, k: int) ->
     want = f[:, 1:, : head.config.hidden_size][sel].to(W.dtype)  # feature j + 1 gives the target's token j + 2
     truth = torch.cat([F.linear(c, W).argmax(-1) for c in want.split(1024)] or [sel[0][:0]])
     ok = torch.zeros(*scored.shape, k, dtype=torch.bool, device=p.device)
-    for s, pred in unrolled(head, head_inputs(head, f), ids[:, 1:], k):
+    for s, pred, _ in unrolled(head, head_inputs(head, f), ids[:, 1:], k):
         ok[sel[0], sel[1], s - 1] = head.to_target_ids(head.logits(pred[sel]).argmax(-1)) == truth
     ok, scored = ok.cpu(), scored.cpu()
     # padded positions are never scored, so each padded row simulates as the row alone
@@ -380,6 +408,8 @@ def train(cfg: TrainConfig, target: TargetModel | None = None) -> dict:
         raise TrainError(f"model.head_type {cfg.model.head_type!r}: expected eagle1 or eagle3")
     if cfg.loss.positions not in ("assistant", "all"):
         raise TrainError(f"loss.positions {cfg.loss.positions!r}: expected assistant or all")
+    if not 0.0 < cfg.loss.unroll_fraction <= 1.0:
+        raise TrainError(f"loss.unroll_fraction {cfg.loss.unroll_fraction}: expected a fraction in (0, 1]")
     if not (cfg.budget.max_steps or cfg.budget.minutes or cfg.budget.epochs):
         raise TrainError("set a budget: budget.max_steps, budget.minutes or budget.epochs")
     if cfg.num_threads:
@@ -519,7 +549,7 @@ def train(cfg: TrainConfig, target: TargetModel | None = None) -> dict:
                 log.write(json.dumps({"step": state["step"], "lr": lr_at(), "tok_s": round(tps), **m}) + "\n")
             if progress() >= 1.0:
                 break
-            if state["train_s"] - last_val >= cfg.eval.every_minutes * 60:
+            if cfg.eval.every_minutes > 0 and state["train_s"] - last_val >= cfg.eval.every_minutes * 60:
                 checkpoint_and_validate(final=False)
                 last_val = last_save = state["train_s"]
             elif state["train_s"] - last_save >= cfg.save_every_minutes * 60:
