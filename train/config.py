@@ -63,7 +63,7 @@ class LossConfig:
     steps: int = 1
     step_decay: float = 0.8
     # Steps 2.. on this fraction of the positions only: random chain starts, each unrolled as drafting from it
-    # would (1.0: every position, the dense test). Step 1 always trains on every position.
+    # would (1.0: every position, the dense test). Step 1 always trains on every position; validation is dense.
     unroll_fraction: float = 1.0
     # Which positions are scored: "assistant" (the next token is an assistant token, i.e. the target's own text when
     # the rows were regenerated) or "all" (prompt and template positions too: the label is the target's p there as

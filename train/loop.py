@@ -163,12 +163,13 @@ def unrolled_mask(n: int, s: int) -> torch.Tensor:
 
 def unrolled(head: EagleHead, x: torch.Tensor, next_ids: torch.Tensor, steps: int,
              starts: torch.Tensor | None = None):
-    """Yield (s, predictions [B, m, H], positions [m]) for s = 1..steps: the training-time test, shared by the loss
-    and benchmarks/depth_agreement.py. Step 1 reads the features x [B, n, *] with the tokens next_ids [B, n] at
-    every position. Step s > 1 reads, at position p, step s-1's prediction made at p - 1, attending as drafting does
-    (`unrolled_mask`): at every position (`starts` None, m = n), or only along the m chains drafted from the
-    positions `starts` [m] (sorted, at most n - steps): chain j's step s sits at starts[j] + s - 1 and sees the
-    true entries up to starts[j] and its own drafted entries, so each later step costs m rows instead of n."""
+    """Yield (s, predictions, positions) for s = 1..steps: the training-time test, shared by the loss and
+    benchmarks/depth_agreement.py. Step 1 reads the features x [B, n, *] with the tokens next_ids [B, n] at every
+    position (predictions [B, n, H], positions arange(n)). Step s > 1 reads, at position p, step s-1's prediction
+    made at p - 1, attending as drafting does (`unrolled_mask`): at every position (`starts` None), or only along
+    the m chains drafted from the positions `starts` [m] (sorted, at most n - steps; predictions [B, m, H]): chain
+    j's step s sits at starts[j] + s - 1 and sees the true entries up to starts[j] and its own drafted entries, so
+    each later step costs m rows instead of n."""
     B, n = next_ids.shape
     dev = next_ids.device
     pos = torch.arange(n, device=dev)
@@ -194,7 +195,8 @@ def unrolled(head: EagleHead, x: torch.Tensor, next_ids: torch.Tensor, steps: in
 
 def chain_starts(n: int, steps: int, fraction: float, gen: torch.Generator | None) -> torch.Tensor | None:
     """Random chain starts for a sparse training-time test (`loss.unroll_fraction` of the n positions), or None
-    for the dense one (every position)."""
+    for the dense one (every position). Starts run to n - steps, so every chain has all its steps; the last
+    steps - s positions of a batch are never trained at step s < steps."""
     room = n - steps + 1
     if steps == 1 or fraction >= 1.0 or room < 1:
         return None
@@ -243,8 +245,8 @@ def head_loss(head: EagleHead, ids, mask, feats, cfg: TrainConfig, gen, noise: b
         if starts is None:
             sel[:, : s - 1] = False  # positions before s-1 have no step-s input
         out, want = pred[sel], last[:, 1:][:, q][sel]  # only scored positions reach the costly lm_head
-        if out.shape[0] == 0:
-            break
+        if out.shape[0] == 0:  # nothing scored at this step (a later chain step may still be)
+            continue
         with torch.no_grad():
             p_logits = linear_as(head.lm_head, want, head.draft_lm_weight)  # F.linear unless the fast path is on
             if head.config.logit_softcap:
