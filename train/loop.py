@@ -179,7 +179,7 @@ def unrolled(head: EagleHead, x: torch.Tensor, next_ids: torch.Tensor, steps: in
     if starts is not None:
         m = starts.shape[0]
         pred = pred[:, starts]
-        seen = torch.arange(n, device=dev)[None] <= starts[:, None]  # [m, n] true entries of each chain
+        seen = pos[None] <= starts[:, None]  # [m, n] the true entries each chain sees
         own = torch.eye(m, dtype=torch.bool, device=dev)
     for s in range(2, steps + 1):
         if starts is None:
