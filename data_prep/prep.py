@@ -124,6 +124,20 @@ def split_indices(n: int, val_fraction: float, seed: int) -> tuple[list[int], li
     return sorted(perm[n_val:]), sorted(perm[:n_val])
 
 
+def drop_repeats(convs: list[list[dict]], max_turns: int | None, regenerate: bool) -> tuple[list[list[dict]], int]:
+    """The conversations without repeats of an earlier one (ShareGPT holds many), compared on what becomes the row:
+    the turns `max_turns` keeps, and with `regenerate` only their prompts (the target would write the same replies
+    again). A repeat would also put the same row on both sides of the train / validation split."""
+    seen, kept = set(), []
+    for msgs in convs:
+        key = json.dumps([(m["role"], "" if regenerate and m["role"] == "assistant" else m["content"])
+                          for m in first_turns(msgs, max_turns)], default=str)
+        if key not in seen:
+            seen.add(key)
+            kept.append(msgs)
+    return kept, len(convs) - len(kept)
+
+
 def _check_config(cfg: PrepConfig) -> None:
     if not 0.0 <= cfg.val_fraction < 1.0:
         raise DataError(f"val_fraction must be in [0, 1), got {cfg.val_fraction}")
@@ -156,6 +170,9 @@ def prepare(cfg: PrepConfig, target=None) -> PrepSummary:
     convs, src = load_conversations(cfg.data, cfg.max_rows, allow_no_assistant=cfg.regenerate,
                                     skip_rows=cfg.skip_rows)
     dropped, trimmed = Counter(src.dropped), Counter(src.trimmed)
+    convs, repeats = drop_repeats(convs, cfg.max_turns, cfg.regenerate)
+    if repeats:
+        dropped["duplicate"] += repeats
     replies = 0
     ended = [None] * len(convs)
     one_turn = cfg.regenerate and cfg.max_turns == 1  # rows are then the generated ids themselves

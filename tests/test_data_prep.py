@@ -16,6 +16,7 @@ from data_prep import (
     DataError, Example, PrepConfig, SkipRow, load_conversations, load_examples, prepare, regenerate,
     regenerate_with_stats, render_example, split_indices,
 )
+from data_prep.prep import drop_repeats
 from data_prep import sources
 
 GEMMA_TEMPLATE = (
@@ -358,6 +359,25 @@ def test_prepare_writes_rows_summary_and_config(tiny_tokenizer, tmp_path):
 
     again = prepare(cfg, target=fake_target(tiny_tokenizer))  # same seed, same split
     assert load_examples(tmp_path / "out/val.jsonl") == val and again.val_rows == 2
+
+
+def test_repeated_conversations_are_one_row(tiny_tokenizer, tmp_path):
+    """ShareGPT repeats conversations: a repeat is dropped as a duplicate, so no row sits on both sides of the split."""
+    def chat(q, a, *more):
+        return [{"role": "user", "content": q}, {"role": "assistant", "content": a}, *more]
+    rows = [{"messages": chat(f"Question {i}?", "Paris.")} for i in range(8)]
+    rows += [{"messages": chat("Question 3?", "Paris.")}, {"messages": chat("Question 3?", "Rome.")}]
+    data = write_jsonl(tmp_path / "chats.jsonl", rows)
+    s = prepare(PrepConfig(target="tiny", data=str(data), out=str(tmp_path / "out"), max_length=64),
+                target=fake_target(tiny_tokenizer))
+    assert (s.rows_read, s.kept, s.dropped) == (10, 9, {"duplicate": 1})  # another reply is another row
+    assert "duplicate 1" in s.format()
+
+    later = chat("Question 3?", "Rome.", {"role": "user", "content": "Sure?"}, {"role": "assistant", "content": "Yes."})
+    convs = [chat("Question 3?", "Paris."), chat("Question 3?", "Rome."), later]
+    assert drop_repeats(convs, None, regenerate=False) == (convs, 0)
+    assert drop_repeats(convs, 1, regenerate=False) == (convs[:2], 1)  # turns after max_turns do not count
+    assert drop_repeats(convs, None, regenerate=True) == ([convs[0], later], 1)  # only the prompts are kept
 
 
 def test_prepare_on_prompts_without_regeneration_says_why_nothing_is_left(tiny_tokenizer, tmp_path):
