@@ -9,7 +9,7 @@ from tiny import tiny_target
 from eagle import EagleHead
 from eagle.configio import load_config
 from train.config import TrainConfig
-from train.loop import TrainError, train
+from train.loop import TrainError, drop_val_rows, train
 
 
 def write_prepared(path, target, rows=24, seed=0):
@@ -109,6 +109,26 @@ def test_missing_data_and_missing_budget_are_one_line_errors(tmp_path, target):
         train(config(tmp_path), target=target)
     with pytest.raises(TrainError, match="does not exist: run `eagle prep"):
         train(config(tmp_path, "budget.max_steps=1"), target=target)
+
+
+def test_training_rows_identical_to_validation_rows_are_left_out(tmp_path, target, capsys):
+    """Shards are split on their own, so a row repeated in another shard must not be trained on and scored."""
+    def row(*ids):
+        return torch.tensor(ids), torch.ones(len(ids), dtype=torch.bool)
+    rows, feats = [row(1, 2, 3), row(4, 5, 6), row(1, 2, 3, 4)], [torch.zeros(3, 2), torch.ones(3, 2), torch.zeros(4, 2)]
+    kept, kept_feats, left_out = drop_val_rows(rows, feats, [row(4, 5, 6)])
+    assert left_out == 1 and [r[0].tolist() for r in kept] == [[1, 2, 3], [1, 2, 3, 4]]
+    assert [f.shape for f in kept_feats] == [(3, 2), (4, 2)]
+    same = drop_val_rows(rows, None, [row(7)])
+    assert same[0] is rows and same[1:] == (None, 0)
+
+    write_prepared(tmp_path / "data", target)
+    extra = tmp_path / "extra"
+    extra.mkdir()
+    first_train_row = (tmp_path / "data/train.jsonl").read_text().splitlines()[0]
+    (extra / "train.jsonl").write_text((tmp_path / "data/val.jsonl").read_text() + first_train_row + "\n")
+    train(config(tmp_path, "budget.max_steps=1", f"data.extra=[{extra}]"), target=target)
+    assert "left out 4 training rows identical to a validation row" in capsys.readouterr().out
 
 
 def test_unrolled_steps_see_what_drafting_sees():

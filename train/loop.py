@@ -56,6 +56,17 @@ def load_rows(cfg: TrainConfig, split: str, prepared: str) -> list[tuple[torch.T
     return rows
 
 
+def drop_val_rows(rows, feats, val_rows):
+    """Training rows (and their features, if cached) less those identical to a validation row, and how many were
+    left out: prepared shards are split on their own, so a row repeated across shards (or data.extra holding the
+    validation shard's rows) would otherwise be trained on and scored."""
+    held_out = {tuple(ids.tolist()) for ids, _ in val_rows}
+    keep = [i for i, (ids, _) in enumerate(rows) if tuple(ids.tolist()) not in held_out]
+    if len(keep) == len(rows):
+        return rows, feats, 0
+    return [rows[i] for i in keep], None if feats is None else [feats[i] for i in keep], len(rows) - len(keep)
+
+
 def make_batches(lengths: list[int], batch_tokens: int, gen: torch.Generator) -> list[list[int]]:
     """Group rows of similar length so a padded batch holds about `batch_tokens` tokens; shuffled batch order."""
     order = sorted(range(len(lengths)), key=lambda i: lengths[i])
@@ -445,6 +456,9 @@ def train(cfg: TrainConfig, target: TargetModel | None = None) -> dict:
                  for f in cached_features(target, part, Path(src), "train", layers)]
         val_feats = cached_features(target, val_rows, Path(cfg.data.prepared), "val", layers)
     feat_s = time.perf_counter() - t_feat
+    rows, feats, leaked = drop_val_rows(rows, feats, val_rows)
+    if leaked:
+        print(f"left out {leaked} training rows identical to a validation row of {cfg.data.prepared}")
     prompts = val_prompts(cfg)
 
     if state:
