@@ -310,7 +310,8 @@ def test_max_turns_keeps_the_first_replies_and_bad_configs_fail_early(tiny_token
     from data_prep.sources import first_turns
 
     assert first_turns(CHAT, 1) == CHAT[:3] and first_turns(CHAT, None) == CHAT == first_turns(CHAT, 5)
-    data = write_jsonl(tmp_path / "c.jsonl", [{"messages": CHAT}] * 4)
+    data = write_jsonl(tmp_path / "c.jsonl", [{"messages": [{**CHAT[0], "content": f"Be brief ({i})."}, *CHAT[1:]]}
+                                              for i in range(4)])
     cfg = PrepConfig(target="tiny", data=str(data), out=str(tmp_path / "out"), max_turns=1)
     prepare(cfg, target=fake_target(tiny_tokenizer))
     assert [len(c) for c in load_conversations(str(tmp_path / "out/val_conversations.jsonl"))[0]] == [3]
