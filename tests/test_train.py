@@ -115,7 +115,8 @@ def test_training_rows_identical_to_validation_rows_are_left_out(tmp_path, targe
     """Shards are split on their own, so a row repeated in another shard must not be trained on and scored."""
     def row(*ids):
         return torch.tensor(ids), torch.ones(len(ids), dtype=torch.bool)
-    rows, feats = [row(1, 2, 3), row(4, 5, 6), row(1, 2, 3, 4)], [torch.zeros(3, 2), torch.ones(3, 2), torch.zeros(4, 2)]
+    rows = [row(1, 2, 3), row(4, 5, 6), row(1, 2, 3, 4)]
+    feats = [torch.zeros(3, 2), torch.ones(3, 2), torch.zeros(4, 2)]
     kept, kept_feats, left_out = drop_val_rows(rows, feats, [row(4, 5, 6)])
     assert left_out == 1 and [r[0].tolist() for r in kept] == [[1, 2, 3], [1, 2, 3, 4]]
     assert [f.shape for f in kept_feats] == [(3, 2), (4, 2)]
