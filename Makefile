@@ -4,9 +4,9 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 DEMO := runs/demo
-# Minutes of regeneration and of training, traded on the demo's 2,400 rows (BENCHMARKS.md): after dropping
-# ShareGPT's repeated prompts, 6 training minutes gave tau 1.53 on the 16 held-out prompts, 9 gave 1.59 and 12 gave
-# 1.62 (simulated on all 93 held-out rows: 1.64 / 1.70 / 1.73). Batches of 256 regenerate slower than 128.
+# The demo regenerates 2,400 ShareGPT rows (~1,850 kept once long prompts and repeats are dropped) and trains 12
+# minutes: on those rows 6 / 9 / 12 training minutes gave tau 1.53 / 1.59 / 1.62 on the 16 held-out prompts, and the
+# whole demo took 25.5 minutes on a slow hour of the 2-core machine (BENCHMARKS.md). Batch 256 regenerates slower.
 DEMO_ROWS ?= 2400
 DEMO_MINUTES ?= 12
 
