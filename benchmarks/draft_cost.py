@@ -1,7 +1,7 @@
 """What drafting costs against a target step: ms per drafting round and per head step, with the head's attention
 on its C path (eagle.head: rotary embedding and grouped attention in C) and on torch's, interleaved.
 
-    .venv/bin/python benchmarks/draft_cost.py --draft runs/demo/head --k 3 --dynamic 2,3,4 4,3,8
+    .venv/bin/python benchmarks/draft_cost.py --draft runs/demo/head --k 3 --dynamic 2,3,4 4,3,8 [--cold]
 
 A drafting round here is what the decoder does between two verifications: the head reads the one newly committed
 (feature, token) pair into its cache and drafts a chain of k tokens or a dynamic tree (top_k, depth,
@@ -35,6 +35,9 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--cold", action="store_true",
+                    help="read 600 MB before each timed call, as the target pass between two rounds does when "
+                         "decoding (the head's weights are then no longer in the caches)")
     args = ap.parse_args()
     target = load_target(args.target)
     dec = SpeculativeDecoder.from_pretrained(target, args.draft)
@@ -68,6 +71,7 @@ def main() -> None:
     jobs = {name: (lambda cfg=cfg: one_round(cfg)) for name, cfg in settings.items()}
     jobs["one head step"] = head_step
     times: dict[tuple[str, str], list[float]] = {(p, j): [] for p in paths for j in jobs}
+    flush = torch.ones(150_000_000) if args.cold else None
     target_ms: list[float] = []
     for rnd in range(args.rounds):
         for path in (list(paths) if rnd % 2 == 0 else list(paths)[::-1]):
@@ -75,13 +79,16 @@ def main() -> None:
             for name, fn in jobs.items():
                 fn()  # warm-up
                 for _ in range(args.repeats):
+                    if flush is not None:
+                        flush.sum()
                     t0 = time.perf_counter()
                     fn()
                     times[(path, name)].append((time.perf_counter() - t0) * 1e3)
         head_module._kernel_fits = stock_fits
         target_ms.append(pass_ms(dec, args.context, [1], args.repeats, fast=True)[1])
     step = statistics.median(target_ms)
-    print(f"threads {torch.get_num_threads()}, context {args.context}; median ms over {args.rounds} x {args.repeats}")
+    print(f"threads {torch.get_num_threads()}, context {args.context}; median ms over {args.rounds} x {args.repeats}"
+          + ("; caches flushed before each call" if args.cold else ""))
     print("| drafting | head attention in C | in torch |")
     print("|---|---|---|")
     for name in jobs:
