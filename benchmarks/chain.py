@@ -6,7 +6,8 @@ on the same prompts.
 
 `--dynamic TOP_K,DEPTH,TOTAL_TOKENS` adds EAGLE-2 dynamic trees, `--static FILE` a static tree of choice paths,
 `--grid-top-k 2 4 8 --grid-depth 3 5 7 --grid-total 4 8 16 32` every dynamic tree of that grid (a sweep; add
-`--no-baselines` to skip transformers' two methods, our greedy stays as the reference).
+`--no-baselines` to skip transformers' two methods, our greedy stays as the reference). `--spread` takes the
+prompts evenly spaced over the file rather than its first ones (MT-bench's first 20 are writing and roleplay only).
 
 For every prompt, each method runs back to back (so machine noise hits them alike). Prints a Markdown table and,
 as its last line, a JSON object with every number.
@@ -44,6 +45,7 @@ def main() -> None:
     ap.add_argument("--draft", required=True)
     ap.add_argument("--data", default="../shared/evaldata/mt_bench.jsonl")
     ap.add_argument("--num-prompts", type=int, default=20)
+    ap.add_argument("--spread", action="store_true", help="prompts evenly spaced over the file, not its first ones")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--k", type=int, nargs="+", default=[2, 3, 4, 5, 6])
     ap.add_argument("--dynamic", nargs="*", default=[], metavar="TOP_K,DEPTH,TOTAL",
@@ -66,12 +68,14 @@ def main() -> None:
 
     target = load_target(args.target)
     dec = SpeculativeDecoder.from_pretrained(target, args.draft)
-    prompts = load_prompts(args.data, args.num_prompts)
+    prompts = load_prompts(args.data, args.num_prompts, args.spread)
     n = args.max_new_tokens
     methods = ["engine_greedy"] + (["hf_generate", "hf_prompt_lookup"] if args.baselines else []) + list(spec)
     tokens = {m: 0 for m in methods}
     seconds = {m: 0.0 for m in methods}
     rounds = {m: [0, 0] for m in spec}  # emitted, verify passes
+    cats = sorted({p["category"] for p in prompts})
+    cat_rounds = {m: {c: [0, 0] for c in cats} for m in spec}
     draft_verify = {m: [0.0, 0.0] for m in spec}
     same = {m: 0 for m in methods}
     warm = dec.encode(prompts[0]["prompt"])
@@ -93,6 +97,8 @@ def main() -> None:
             runs[m] = (out.token_ids, out.total_s)
             rounds[m][0] += sum(out.accept_lengths) + out.rounds
             rounds[m][1] += out.rounds
+            cat_rounds[m][p["category"]][0] += sum(out.accept_lengths) + out.rounds
+            cat_rounds[m][p["category"]][1] += out.rounds
             draft_verify[m][0] += out.draft_s
             draft_verify[m][1] += out.verify_s
         for m, (toks, s) in runs.items():
@@ -108,6 +114,7 @@ def main() -> None:
         "tokens_per_s": tps,
         "speedup_vs_engine_greedy": {m: tps[m] / tps["engine_greedy"] for m in methods},
         "tau": {m: e / max(r, 1) for m, (e, r) in rounds.items()},
+        "tau_by_category": {m: {c: e / max(r, 1) for c, (e, r) in cr.items()} for m, cr in cat_rounds.items()},
         "ms_per_round": {m: {"draft": 1e3 * dv[0] / max(rounds[m][1], 1), "verify": 1e3 * dv[1] / max(rounds[m][1], 1)}
                          for m, dv in draft_verify.items()},
         "settings": spec,
@@ -122,6 +129,12 @@ def main() -> None:
         print(f"| {m} | {'' if tau is None else f'{tau:.2f}'} | {tps[m]:.1f} | "
               f"{result['speedup_vs_engine_greedy'][m]:.2f}x | {draft} | {verify} | "
               f"{result['identical_to_engine_greedy'][m]:.2f} |")
+    if len(cats) > 1:
+        counts = {c: sum(p["category"] == c for p in prompts) for c in cats}
+        print("\n| tau by category | " + " | ".join(f"{c} ({counts[c]})" for c in cats) + " |")
+        print("|---|" + "---|" * len(cats))
+        for m, by_cat in result["tau_by_category"].items():
+            print(f"| {m} | " + " | ".join(f"{by_cat[c]:.2f}" for c in cats) + " |")
     print(json.dumps(result))
 
 

@@ -41,6 +41,7 @@ def main() -> None:
     ap.add_argument("--minutes", type=float, required=True, help="training budget per head")
     ap.add_argument("--data", action="append", required=True, help="prompt file(s) in the evaldata format")
     ap.add_argument("--num-prompts", type=int, default=20)
+    ap.add_argument("--spread", action="store_true", help="prompts evenly spaced over the file, not its first ones")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--rows", type=int, default=320, help="ShareGPT rows to regenerate for training")
     ap.add_argument("--prepared", help="train on this prepared directory instead of regenerating --rows")
@@ -79,7 +80,7 @@ def main() -> None:
     modes = {"chain": dict(mode="chain", num_speculative_tokens=args.k),
              "dynamic": dict(mode="dynamic", top_k=top_k, depth=depth, total_tokens=total)}
     decs = {name: SpeculativeDecoder(target, EagleHead.from_pretrained(out / name / "head")) for name in args.heads}
-    files = {Path(f).stem: load_prompts(f, args.num_prompts) for f in args.data}
+    files = {Path(f).stem: load_prompts(f, args.num_prompts, args.spread) for f in args.data}
     acc = {(n, f, m): {"tokens": 0, "s": 0.0, "accept": [], "draft_s": 0.0, "levels": 0, "same": 0}
            for n in decs for f in files for m in modes}
     base = {f: {"tokens": 0, "s": 0.0} for f in files}
@@ -114,7 +115,8 @@ def main() -> None:
         n_prompts = sum(len(files[k[1]]) for k in keys)
         return {"tau": (sum(accept) + len(accept)) / max(len(accept), 1),
                 "speedup": (tokens / s) / (btok / bs),
-                "draft_ms_per_step": 1e3 * sum(acc[k]["draft_s"] for k in keys) / max(sum(acc[k]["levels"] for k in keys), 1),
+                "draft_ms_per_step": 1e3 * sum(acc[k]["draft_s"] for k in keys)
+                / max(sum(acc[k]["levels"] for k in keys), 1),
                 "acceptance_per_position": acceptance_per_position(accept, max(args.k, depth)),
                 "lossless": sum(acc[k]["same"] for k in keys) / max(n_prompts, 1)}
 
@@ -123,7 +125,7 @@ def main() -> None:
     result["settings"] = {"minutes": args.minutes, "rows": args.rows, "prepared": args.prepared,
                           "draft_vocab": args.draft_vocab, "overrides": args.override,
                           "k": args.k, "dynamic": args.dynamic, "num_prompts": args.num_prompts,
-                          "max_new_tokens": args.max_new_tokens, "data": args.data}
+                          "spread": args.spread, "max_new_tokens": args.max_new_tokens, "data": args.data}
     print("| head | file | mode | tau | speedup | draft ms/step | lossless |")
     print("|---|---|---|---|---|---|---|")
     for n in decs:

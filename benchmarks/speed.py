@@ -76,6 +76,7 @@ def main() -> None:
     ap.add_argument("--draft", help="a trained head; without one only the greedy methods run")
     ap.add_argument("--data", default="../shared/evaldata/mt_bench.jsonl")
     ap.add_argument("--num-prompts", type=int, default=20)
+    ap.add_argument("--spread", action="store_true", help="prompts evenly spaced over the file, not its first ones")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--k", type=int, default=3, help="drafted tokens per round for the speculative run")
     ap.add_argument("--dynamic", metavar="TOP_K,DEPTH,TOTAL",
@@ -119,7 +120,7 @@ def main() -> None:
     print("threads:", json.dumps(scaling))
 
     # 4. the prompts
-    prompts = load_prompts(args.data, args.num_prompts)
+    prompts = load_prompts(args.data, args.num_prompts, args.spread)
     n = args.max_new_tokens
     methods = ["hf_generate", "hf_prompt_lookup", "engine_greedy_stock", "engine_greedy"]
     methods += ["spec"] if args.draft else []
@@ -134,7 +135,8 @@ def main() -> None:
         dec.generate(warm, 8, **spec_kw)
     for i, p in enumerate(prompts):
         ids = dec.encode(p["prompt"])
-        runs = {"hf_generate": hf_generate(target, ids, n), "hf_prompt_lookup": hf_generate(target, ids, n, args.lookup)}
+        runs = {"hf_generate": hf_generate(target, ids, n),
+                "hf_prompt_lookup": hf_generate(target, ids, n, args.lookup)}
         stock = dec.generate(ids, n, speculative=False, fast_linear=False)
         runs["engine_greedy_stock"] = (stock.token_ids, stock.total_s)
         fast = dec.generate(ids, n, speculative=False)

@@ -38,6 +38,9 @@ class EvalConfig:
     data: str = ""
     out: str = "runs/eval"
     num_prompts: int = 20
+    # take num_prompts evenly spaced over the file instead of its first ones: MT-bench's file is sorted by
+    # category, so its first 20 are writing and roleplay only
+    spread: bool = False
     decode: DecodeConfig = field(default_factory=DecodeConfig)
     warmup: int = 1  # prompts decoded once, unmeasured, before timing starts
     num_threads: int = 0
@@ -57,8 +60,9 @@ def _first_user_turn(row: dict) -> str | None:
     return None
 
 
-def load_prompts(spec: str, n: int) -> list[dict]:
-    """Prompts from a local JSONL file (see module docstring) or a hub dataset name."""
+def load_prompts(spec: str, n: int, spread: bool = False) -> list[dict]:
+    """Prompts from a local JSONL file (see module docstring) or a hub dataset name: the first n usable ones, or
+    with `spread` n evenly spaced over all usable ones (the i-th of n is usable prompt floor(i * total / n))."""
     path = Path(spec)
     if path.suffix in (".jsonl", ".json") or path.exists():
         if not path.exists():
@@ -84,10 +88,12 @@ def load_prompts(spec: str, n: int) -> list[dict]:
         if text:
             prompts.append({"question_id": row.get("question_id", row.get("id", i)),
                             "category": row.get("category", "all"), "prompt": text})
-        if len(prompts) == n:
+        if len(prompts) == n and not spread:
             break
     if not prompts:
         raise EvalError(f"prompt set {spec!r} has no usable prompt (expected `turns`, `messages` or `prompt`)")
+    if spread and len(prompts) > n:
+        prompts = [prompts[i * len(prompts) // n] for i in range(n)]
     return prompts
 
 
@@ -142,7 +148,7 @@ def evaluate(cfg: EvalConfig, decoder: SpeculativeDecoder | None = None) -> dict
     k = draft_depth(d)
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
-    prompts = load_prompts(cfg.data, cfg.num_prompts)
+    prompts = load_prompts(cfg.data, cfg.num_prompts, cfg.spread)
     dec = decoder or SpeculativeDecoder.from_pretrained(load_target(cfg.target), cfg.draft or None)
     dec.config = d
     sampling = d.temperature > 0

@@ -19,6 +19,8 @@ def test_prompt_formats(tmp_path):
     assert [p["prompt"] for p in got] == ["w1 w2", "w3", "w4", "w5"]
     assert got[0]["question_id"] == 7 and got[0]["category"] == "math" and got[1]["category"] == "all"
     assert len(load_prompts(str(f), 2)) == 2
+    assert [p["prompt"] for p in load_prompts(str(f), 2, spread=True)] == ["w1 w2", "w4"]
+    assert len(load_prompts(str(f), 10, spread=True)) == 4
     with pytest.raises(EvalError, match="does not exist"):
         load_prompts(str(tmp_path / "missing.jsonl"), 3)
     (tmp_path / "bad.jsonl").write_text('{"turns": ["a"]}\n{oops\n')
