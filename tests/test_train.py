@@ -123,13 +123,24 @@ def test_training_rows_identical_to_validation_rows_are_left_out(tmp_path, targe
     same = drop_val_rows(rows, None, [row(7)])
     assert same[0] is rows and same[1:] == (None, 0)
 
+    # a reworded prompt with the same reply: only the reply (mask) tokens are compared, as 8-grams
+    def chat(prompt, reply):
+        return (torch.tensor(prompt + reply),
+                torch.tensor([False] * len(prompt) + [True] * len(reply)))
+    reply = list(range(100, 120))  # 13 distinct 8-grams
+    near = [chat([1, 2], reply), chat([1, 2, 3], reply[:14] + [7] * 6), chat([1, 2], reply[:12] + [7] * 8),
+            chat([5], [9] * 20)]
+    kept, _, left_out = drop_val_rows(near, None, [chat([1], reply)])
+    assert left_out == 2 and [r[0].tolist()[:3] for r in kept] == [[1, 2, 100], [5, 9, 9]]  # 7 of 13 shared: out
+    assert drop_val_rows(near, None, [chat([1], reply)], max_shared=2.0)[2] == 0
+
     write_prepared(tmp_path / "data", target)
     extra = tmp_path / "extra"
     extra.mkdir()
     first_train_row = (tmp_path / "data/train.jsonl").read_text().splitlines()[0]
     (extra / "train.jsonl").write_text((tmp_path / "data/val.jsonl").read_text() + first_train_row + "\n")
     train(config(tmp_path, "budget.max_steps=1", f"data.extra=[{extra}]"), target=target)
-    assert "left out 4 training rows identical to a validation row" in capsys.readouterr().out
+    assert "left out 4 training rows that repeat a validation row" in capsys.readouterr().out
 
 
 def test_unrolled_steps_see_what_drafting_sees():

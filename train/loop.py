@@ -56,12 +56,38 @@ def load_rows(cfg: TrainConfig, split: str, prepared: str) -> list[tuple[torch.T
     return rows
 
 
-def drop_val_rows(rows, feats, val_rows):
-    """Training rows (and their features, if cached) less those identical to a validation row, and how many were
-    left out: prepared shards are split on their own, so a row repeated across shards (or data.extra holding the
-    validation shard's rows) would otherwise be trained on and scored."""
+def _reply_grams(ids: torch.Tensor, mask: torch.Tensor, n: int) -> set[tuple[int, ...]]:
+    """The distinct n-grams of a row's assistant (loss-masked) tokens."""
+    a = ids[mask].tolist()
+    return {tuple(a[i:i + n]) for i in range(len(a) - n + 1)}
+
+
+def drop_val_rows(rows, feats, val_rows, max_shared: float = 0.5, n: int = 8):
+    """Training rows (and their features, if cached) less those that repeat a validation row, and how many were
+    left out. A training row repeats a validation row when it is identical to it, or when its assistant text holds
+    at least `max_shared` of the validation row's distinct assistant n-grams: ShareGPT asks the same thing in other
+    words ("continue" and "continue please" get the very same regenerated reply). Prepared shards are split on their
+    own, so a row repeated across shards (or data.extra holding the validation shard's rows) would otherwise be
+    trained on and scored."""
     held_out = {tuple(ids.tolist()) for ids, _ in val_rows}
-    keep = [i for i, (ids, _) in enumerate(rows) if tuple(ids.tolist()) not in held_out]
+    owners: dict[tuple[int, ...], list[int]] = {}  # n-gram -> the validation rows whose replies hold it
+    need = []  # shared n-grams that make a training row a repeat of validation row j
+    for j, (ids, mask) in enumerate(val_rows):
+        grams = _reply_grams(ids, mask, n)
+        need.append(max(1.0, max_shared * len(grams)))
+        for g in grams:
+            owners.setdefault(g, []).append(j)
+
+    def repeats(ids, mask) -> bool:
+        if tuple(ids.tolist()) in held_out:
+            return True
+        shared = [0] * len(val_rows)
+        for g in _reply_grams(ids, mask, n) & owners.keys():
+            for j in owners[g]:
+                shared[j] += 1
+        return any(c >= need[j] for j, c in enumerate(shared) if c)
+
+    keep = [i for i, (ids, mask) in enumerate(rows) if not repeats(ids, mask)]
     if len(keep) == len(rows):
         return rows, feats, 0
     return [rows[i] for i in keep], None if feats is None else [feats[i] for i in keep], len(rows) - len(keep)
@@ -456,9 +482,10 @@ def train(cfg: TrainConfig, target: TargetModel | None = None) -> dict:
                  for f in cached_features(target, part, Path(src), "train", layers)]
         val_feats = cached_features(target, val_rows, Path(cfg.data.prepared), "val", layers)
     feat_s = time.perf_counter() - t_feat
-    rows, feats, leaked = drop_val_rows(rows, feats, val_rows)
+    rows, feats, leaked = drop_val_rows(rows, feats, val_rows, cfg.data.val_overlap)
     if leaked:
-        print(f"left out {leaked} training rows identical to a validation row of {cfg.data.prepared}")
+        print(f"left out {leaked} training rows that repeat a validation row of {cfg.data.prepared} (identical, "
+              f"or holding >= {cfg.data.val_overlap:.0%} of its reply's 8-grams)")
     prompts = val_prompts(cfg)
 
     if state:
