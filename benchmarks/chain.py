@@ -73,9 +73,8 @@ def main() -> None:
     methods = ["engine_greedy"] + (["hf_generate", "hf_prompt_lookup"] if args.baselines else []) + list(spec)
     tokens = {m: 0 for m in methods}
     seconds = {m: 0.0 for m in methods}
-    rounds = {m: [0, 0] for m in spec}  # emitted, verify passes
     cats = sorted({p["category"] for p in prompts})
-    cat_rounds = {m: {c: [0, 0] for c in cats} for m in spec}
+    cat_rounds = {m: {c: [0, 0] for c in cats} for m in spec}  # emitted, verify passes
     draft_verify = {m: [0.0, 0.0] for m in spec}
     same = {m: 0 for m in methods}
     warm = dec.encode(prompts[0]["prompt"])
@@ -95,8 +94,6 @@ def main() -> None:
         for m, kw in spec.items():
             out = dec.generate(ids, n, **kw)
             runs[m] = (out.token_ids, out.total_s)
-            rounds[m][0] += sum(out.accept_lengths) + out.rounds
-            rounds[m][1] += out.rounds
             cat_rounds[m][p["category"]][0] += sum(out.accept_lengths) + out.rounds
             cat_rounds[m][p["category"]][1] += out.rounds
             draft_verify[m][0] += out.draft_s
@@ -108,6 +105,7 @@ def main() -> None:
         print(f"[{i + 1}/{len(prompts)}] " + ", ".join(f"{m} {len(t) / s:.1f}" for m, (t, s) in runs.items()),
               flush=True)
     tps = {m: tokens[m] / seconds[m] for m in methods}
+    rounds = {m: [sum(e for e, _ in cr.values()), sum(r for _, r in cr.values())] for m, cr in cat_rounds.items()}
     result = {
         "target": args.target, "draft": args.draft, "data": args.data, "num_prompts": len(prompts),
         "max_new_tokens": n, "threads": torch.get_num_threads(),
