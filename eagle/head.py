@@ -367,10 +367,15 @@ class Eagle3Head(EagleHead):
         if self.lm_head is not None:
             self.draft_lm_weight = self.lm_head.weight[self.d2t].contiguous().detach()
 
-    def init_from_target_lm_head(self) -> None:
-        """Start the draft lm_head from the target's rows of the draft vocabulary."""
+    def init_from_target_lm_head(self, target=None) -> None:
+        """Start the draft lm_head from the target's rows of the draft vocabulary and, given the target, the final
+        norm's per-dimension gain from the target's final norm, so that the head starts with the target's own
+        readout `lm_head(norm(h))`."""
         with torch.no_grad():
             self.draft_head.weight.copy_(self.lm_head.weight[self.d2t].to(self.draft_head.weight.dtype))
+            gain = final_norm_gain(target) if target is not None else None
+            if gain is not None:
+                self.norm.weight.copy_(gain.to(self.norm.weight.dtype))
 
     def init_identity_fc(self) -> None:
         """fc starts as the mean of the fused features, so the head first sees something like a target hidden."""
@@ -398,6 +403,22 @@ class Eagle3Head(EagleHead):
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return self.d2t[draft_ids]
+
+
+def final_norm_gain(target) -> torch.Tensor | None:
+    """The per-dimension gain of the target's final RMS norm, read by normalising a vector of ones (so it is the
+    same whether the model stores w or 1 + w, as Gemma does); None when the decoder has no `norm` or it is not an
+    RMS norm (a LayerNorm sends ones to its bias)."""
+    norm = getattr(target.base, "norm", None)
+    if norm is None:
+        return None
+    p = next(norm.parameters(), None)
+    ones = torch.ones(target.hidden_size, device=target.device, dtype=target.dtype if p is None else p.dtype)
+    with torch.no_grad():
+        gain = norm(ones[None])[0].float()
+    eps = float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 0.0)) or 0.0)
+    gain = gain * math.sqrt(1.0 + eps)
+    return gain if torch.isfinite(gain).all() and gain.abs().max() > 1e-6 else None
 
 
 def make_head(config: HeadConfig) -> EagleHead:

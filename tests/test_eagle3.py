@@ -55,3 +55,15 @@ def test_eagle3_greedy_decoding_equals_plain_greedy():
     for cfg in (dict(num_speculative_tokens=4), dict(mode="dynamic", top_k=3, depth=3, total_tokens=7),
                 dict(mode="static", tree="[[0], [1], [0, 0]]")):
         assert dec.generate(PROMPT, 40, **cfg).token_ids == base.token_ids
+
+
+def test_draft_readout_starts_as_the_targets():
+    """After init_from_target_lm_head(target), the head's readout norm(h) -> draft_head is the target's own
+    final norm and lm_head over the draft vocabulary (Llama stores the norm's gain as w, Gemma as 1 + w)."""
+    target = tiny_target()
+    with torch.no_grad():
+        target.base.norm.weight.copy_(torch.rand(target.hidden_size, dtype=torch.float64) * 2 + 0.5)
+    head = eagle3_head(target)
+    head.init_from_target_lm_head(target)
+    h = torch.randn(3, target.hidden_size, dtype=torch.float64) * 5
+    assert torch.allclose(head.logits(h), target.lm_head(target.base.norm(h))[:, head.d2t], atol=1e-9)

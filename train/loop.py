@@ -503,7 +503,7 @@ def train(cfg: TrainConfig, target: TargetModel | None = None) -> dict:
         if vocab is not None:
             head.set_draft_vocab(vocab.to(accelerator.device))
         if layers is not None:
-            head.init_from_target_lm_head()
+            head.init_from_target_lm_head(target)
         if cfg.model.init == "identity":
             head.init_identity_fc()
         elif cfg.model.init == "target_last_layer":
