@@ -38,6 +38,7 @@ class HeadConfig:
     rope_theta: float = 10000.0
     fc_bias: bool = True
     feature_layer_ids: list[int] = field(default_factory=lambda: [-1])
+    num_layers: int = 1  # decoder layers of an EAGLE-1/2 head (EAGLE's: one)
     # 0: draft over the target's whole vocabulary; n > 0: over n target tokens listed in the `d2t` buffer
     # (EAGLE-3's reduced draft vocabulary, here for EAGLE-1/2 heads too: the lm_head dominates drafting cost)
     draft_vocab_size: int = 0
@@ -98,13 +99,16 @@ class HeadCache:
     Rolling back drafted entries is `crop(n)`: stale entries past `length` are overwritten next time.
     """
 
-    def __init__(self, num_layers: int = 1):
-        self.k: list[torch.Tensor | None] = [None] * num_layers
-        self.v: list[torch.Tensor | None] = [None] * num_layers
+    def __init__(self):
+        self.k: list[torch.Tensor | None] = []  # per decoder layer, made by its first write
+        self.v: list[torch.Tensor | None] = []
         self.length = 0
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
         end = start + k.shape[2]
+        while len(self.k) <= layer:
+            self.k.append(None)
+            self.v.append(None)
         if k.requires_grad:  # training (unrolled steps): keep autograd history, so no in-place writes
             old_k, old_v = (k[:, :, :0], v[:, :, :0]) if self.k[layer] is None else (self.k[layer], self.v[layer])
             self.k[layer] = torch.cat([old_k[:, :, :start], k], dim=2)
@@ -196,16 +200,19 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """A Llama decoder layer without the input norm (EAGLE-1/2): the fc output feeds attention directly."""
+    """A Llama decoder layer; the first one of an EAGLE-1/2 head has no input norm (the fc output feeds attention
+    directly), later ones have it."""
 
-    def __init__(self, cfg: HeadConfig):
+    def __init__(self, cfg: HeadConfig, input_norm: bool = False):
         super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if input_norm else None
         self.self_attn = Attention(cfg)
         self.mlp = MLP(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x, cos, sin, cache, layer, mask):
-        h = x + self.self_attn(x, cos, sin, cache, layer, mask)
+        a = x if self.input_layernorm is None else self.input_layernorm(x)
+        h = x + self.self_attn(a, cos, sin, cache, layer, mask)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -217,7 +224,9 @@ class EagleHead(nn.Module):
         self.config = config
         H = config.hidden_size
         self.fc = nn.Linear(2 * H, H, bias=config.fc_bias)
-        self.layers = nn.ModuleList([DecoderLayer(config)])
+        if config.num_layers < 1:
+            raise ValueError(f"num_layers={config.num_layers}: a head has at least one decoder layer")
+        self.layers = nn.ModuleList([DecoderLayer(config, input_norm=i > 0) for i in range(config.num_layers)])
         if config.draft_vocab_size:
             # draft token index -> target token id; saved with the head
             self.register_buffer("d2t", torch.arange(config.draft_vocab_size), persistent=True)
@@ -341,6 +350,8 @@ class Eagle3Head(EagleHead):
     def __init__(self, config: HeadConfig):
         nn.Module.__init__(self)
         self.config = config
+        if config.num_layers != 1:
+            raise ValueError(f"num_layers={config.num_layers}: EAGLE-3 heads have one decoder layer")
         H, n_feats = config.hidden_size, len(config.feature_layer_ids)
         vocab = config.draft_vocab_size or config.vocab_size
         self.fc = nn.Linear(n_feats * H, H, bias=False)

@@ -153,3 +153,34 @@ def test_head_attention_in_c_matches_torch_when_drafting(monkeypatch):
     monkeypatch.setattr(head_module, "_kernel_fits", lambda x, head_dim: False)
     for got, want in zip(fast, run()):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_two_layer_head_cache_save_load_and_lossless_decoding(tmp_path):
+    # a head of two decoder layers (model.num_layers): the cached, step-by-step forward equals one forward over
+    # every token, the checkpoint keeps both layers, and decoding with it gives plain greedy's tokens
+    from eagle.head import HeadCache
+    from infer import SpeculativeDecoder
+
+    target = tiny_target()
+    head = tiny_head(target, num_layers=2)
+    assert len(head.layers) == 2 and head.layers[0].input_layernorm is None and head.layers[1].input_layernorm
+    g = torch.Generator().manual_seed(0)
+    feats, ids = torch.randn(1, 6, 32, generator=g, dtype=torch.float64), torch.randint(0, 96, (1, 6), generator=g)
+    whole = head(feats, ids, torch.arange(6)[None])
+    cache = HeadCache()
+    steps = [head(feats[:, :3], ids[:, :3], torch.arange(3)[None], cache=cache)]
+    steps += [head(feats[:, i:i + 1], ids[:, i:i + 1], torch.tensor([[i]]), cache=cache) for i in range(3, 6)]
+    torch.testing.assert_close(torch.cat(steps, dim=1), whole)
+    assert len(cache.k) == 2
+    head.save_pretrained(tmp_path / "h")
+    again = EagleHead.from_pretrained(tmp_path / "h", dtype=torch.float64).attach(target)
+    assert again.config.num_layers == 2
+    for (k, a), (k2, b) in zip(head.trainable_state_dict().items(), again.trainable_state_dict().items()):
+        assert k == k2 and torch.equal(a, b), k
+    dec = SpeculativeDecoder(target, again)
+    prompt = [5, 6, 7, 8, 9, 10, 11]
+    base = dec.generate(prompt, 32, speculative=False).token_ids
+    assert dec.generate(prompt, 32, num_speculative_tokens=4).token_ids == base
+    assert dec.generate(prompt, 32, mode="dynamic", top_k=3, depth=3, total_tokens=7).token_ids == base
+    with pytest.raises(ValueError, match="num_layers=0"):
+        EagleHead(HeadConfig.for_target(target, num_layers=0))

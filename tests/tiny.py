@@ -38,6 +38,6 @@ def tiny_target(vocab_size: int = 96, layers: int = 2, hidden: int = 32, dtype=t
     return TargetModel(name="tiny-llama", model=model, tokenizer=tok)
 
 
-def tiny_head(target: TargetModel, seed: int = 1) -> EagleHead:
+def tiny_head(target: TargetModel, seed: int = 1, num_layers: int = 1) -> EagleHead:
     torch.manual_seed(seed)
-    return EagleHead(HeadConfig.for_target(target)).to(target.dtype).attach(target)
+    return EagleHead(HeadConfig.for_target(target, num_layers=num_layers)).to(target.dtype).attach(target)

@@ -19,6 +19,7 @@ class ModelConfig:
     # "identity": fc passes the feature through; "target_last_layer": the decoder layer starts as the target's
     # last layer; "random": from scratch
     init: str = "identity"
+    num_layers: int = 1  # decoder layers of an EAGLE-1/2 head (EAGLE's: one; EAGLE-3 heads have one)
     # Draft over the n most frequent assistant tokens of the training rows (0: the whole vocabulary). Cuts the
     # lm_head cost of both training and drafting.
     draft_vocab: int = 0

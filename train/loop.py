@@ -447,6 +447,8 @@ def train(cfg: TrainConfig, target: TargetModel | None = None) -> dict:
         raise TrainError(f"model.head_type {cfg.model.head_type!r}: expected eagle1 or eagle3")
     if cfg.loss.positions not in ("assistant", "all"):
         raise TrainError(f"loss.positions {cfg.loss.positions!r}: expected assistant or all")
+    if cfg.model.num_layers < 1 or (cfg.model.head_type == "eagle3" and cfg.model.num_layers != 1):
+        raise TrainError(f"model.num_layers {cfg.model.num_layers}: expected >= 1 for eagle1 heads, 1 for eagle3")
     if not 0.0 < cfg.loss.unroll_fraction <= 1.0:
         raise TrainError(f"loss.unroll_fraction {cfg.loss.unroll_fraction}: expected a fraction in (0, 1]")
     if not (cfg.budget.max_steps or cfg.budget.minutes or cfg.budget.epochs):
@@ -497,7 +499,9 @@ def train(cfg: TrainConfig, target: TargetModel | None = None) -> dict:
             extra = assistant_token_counts(target.tokenizer, cfg.model.vocab_counts, cfg.model.vocab_count_rows,
                                            target.vocab_size)
         vocab = draft_vocab(rows, target.vocab_size, cfg.model.draft_vocab, extra)
-        extra_cfg = {} if layers is None else {"head_type": "eagle3", "feature_layer_ids": layers}
+        extra_cfg = {"num_layers": cfg.model.num_layers}
+        if layers is not None:
+            extra_cfg.update(head_type="eagle3", feature_layer_ids=layers)
         hcfg = HeadConfig.for_target(target, draft_vocab_size=0 if vocab is None else vocab.shape[0], **extra_cfg)
         head = make_head(hcfg).to(device=accelerator.device, dtype=dtype).attach(target)
         if vocab is not None:
