@@ -486,8 +486,9 @@ def train(cfg: TrainConfig, target: TargetModel | None = None) -> dict:
     feat_s = time.perf_counter() - t_feat
     rows, feats, leaked = drop_val_rows(rows, feats, val_rows, cfg.data.val_overlap)
     if leaked:
-        print(f"left out {leaked} training rows that repeat a validation row of {cfg.data.prepared} (identical, "
-              f"or holding >= {cfg.data.val_overlap:.0%} of its reply's 8-grams)")
+        rule = "identical" if cfg.data.val_overlap > 1 else \
+            f"identical, or holding >= {cfg.data.val_overlap:.0%} of its reply's 8-grams"
+        print(f"left out {leaked} training rows that repeat a validation row of {cfg.data.prepared} ({rule})")
     prompts = val_prompts(cfg)
 
     if state:
