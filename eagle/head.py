@@ -378,13 +378,13 @@ class Eagle3Head(EagleHead):
         if self.lm_head is not None:
             self.draft_lm_weight = self.lm_head.weight[self.d2t].contiguous().detach()
 
-    def init_from_target_lm_head(self, target=None) -> None:
-        """Start the draft lm_head from the target's rows of the draft vocabulary and, given the target, the
-        readout norm from the target's final norm: the head starts with the target's own readout
-        `lm_head(norm(h))` (BENCHMARKS.md, seventeenth session)."""
+    def init_from_target_lm_head(self, target) -> None:
+        """Start the draft lm_head from the target's rows of the draft vocabulary and the readout norm from the
+        target's final norm: the head starts with the target's own readout `lm_head(norm(h))` (BENCHMARKS.md,
+        seventeenth session)."""
         with torch.no_grad():
             self.draft_head.weight.copy_(self.lm_head.weight[self.d2t].to(self.draft_head.weight.dtype))
-            gain = final_norm_gain(target) if target is not None else None
+            gain = final_norm_gain(target)
             if gain is not None:
                 self.norm.weight.copy_(gain.to(self.norm.weight.dtype))
 

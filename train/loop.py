@@ -72,7 +72,7 @@ def drop_val_rows(rows, feats, val_rows, max_shared: float = 0.5, n: int = 8):
     held_out = {tuple(ids.tolist()) for ids, _ in val_rows}
     owners: dict[tuple[int, ...], list[int]] = {}  # n-gram -> the validation rows whose replies hold it
     need = []  # shared n-grams that make a training row a repeat of validation row j
-    for j, (ids, mask) in enumerate(val_rows):
+    for j, (ids, mask) in enumerate(val_rows if max_shared <= 1 else []):  # above 1: identical rows only
         grams = _reply_grams(ids, mask, n)
         need.append(max(1.0, max_shared * len(grams)))
         for g in grams:
@@ -81,6 +81,8 @@ def drop_val_rows(rows, feats, val_rows, max_shared: float = 0.5, n: int = 8):
     def repeats(ids, mask) -> bool:
         if tuple(ids.tolist()) in held_out:
             return True
+        if not owners:
+            return False
         shared = [0] * len(val_rows)
         for g in _reply_grams(ids, mask, n) & owners.keys():
             for j in owners[g]:
