@@ -29,7 +29,7 @@ from tqdm import tqdm
 from data_prep.prep import assistant_token_counts, load_examples
 from eagle import EagleHead, HeadCache, HeadConfig, TargetModel, load_target
 from eagle.checkpoint import load_head, save_head
-from eagle.features import features_path, load_features, save_features
+from eagle.features import DTYPES as FEATURE_DTYPES, features_path, flat_rows, load_features, save_features
 from eagle.configio import save_config
 from eagle.fastlinear import enable_fast_linear, linear_as
 from eagle.head import eagle3_layers, make_head
@@ -123,21 +123,25 @@ def collate(rows, feats, idx: list[int], target: TargetModel | None = None, laye
         ids[b, :n], mask[b, :n] = rows[i][0], True if all_positions else rows[i][1]
     if feats is None:
         return ids, mask, batch_features(target, ids, layers)
-    f = torch.zeros(B, T, feats[idx[0]].shape[-1], dtype=feats[idx[0]].dtype)
+    f = torch.zeros(B, T, feats[idx[0]].shape[-1], dtype=torch.promote_types(feats[idx[0]].dtype, torch.float32))
     for b, i in enumerate(idx):
         f[b, : rows[i][0].shape[0]] = feats[i]
     return ids, mask, f
 
 
-def cached_features(target: TargetModel, rows, prepared: Path, split: str,
-                    layers: list[int] | None = None) -> list[torch.Tensor]:
-    """Target features of every row, kept next to the prepared rows (eagle.features) so later runs on the same
-    data skip the pass; prep leaves them there when regeneration computed them already."""
-    path = features_path(prepared, split, target, layers)
+def cached_features(target: TargetModel, rows, prepared: Path, split: str, layers: list[int] | None = None,
+                    dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
+    """Target features of every row, kept in `dtype` next to the prepared rows (eagle.features) so later runs on
+    the same data skip the pass; prep leaves float32 ones there when regeneration computed them already."""
+    path = features_path(prepared, split, target, layers, dtype)
     lengths = [r[0].shape[0] for r in rows]
     feats = load_features(path, lengths)
+    if feats is None and dtype != torch.float32:  # a float32 file of the same rows, converted
+        feats = load_features(features_path(prepared, split, target, layers), lengths, dtype)
+        if feats is not None:
+            save_features(path, feats)
     if feats is None:
-        feats = target_features(target, rows, f"target features ({split})", layers)
+        feats = target_features(target, rows, f"target features ({split})", layers, dtype)
         save_features(path, feats)
     return feats
 
@@ -150,10 +154,11 @@ def batch_features(target: TargetModel, ids: torch.Tensor, layers: list[int] | N
 
 
 @torch.inference_mode()
-def target_features(target: TargetModel, rows, desc: str, layers: list[int] | None = None) -> list[torch.Tensor]:
+def target_features(target: TargetModel, rows, desc: str, layers: list[int] | None = None,
+                    dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
     """Run the target once over every row (batched by length) and keep its post-norm last hidden states
-    (followed by the `layers` an EAGLE-3 head reads)."""
-    out: list[torch.Tensor | None] = [None] * len(rows)
+    (followed by the `layers` an EAGLE-3 head reads) in `dtype`, as views of one flat tensor (`flat_rows`)."""
+    out: list[torch.Tensor] = []
     order = sorted(range(len(rows)), key=lambda i: rows[i][0].shape[0])
     bar = tqdm(total=sum(r[0].shape[0] for r in rows), desc=desc, unit="tok", dynamic_ncols=True)
     i = 0
@@ -166,8 +171,9 @@ def target_features(target: TargetModel, rows, desc: str, layers: list[int] | No
         for b, k in enumerate(idx):
             ids[b, : rows[k][0].shape[0]] = rows[k][0]  # right padding: causal attention keeps rows intact
         feats = batch_features(target, ids, layers)
+        out = out or flat_rows([r[0].shape[0] for r in rows], feats.shape[-1], dtype)
         for b, k in enumerate(idx):
-            out[k] = feats[b, : rows[k][0].shape[0]].clone()
+            out[k].copy_(feats[b, : rows[k][0].shape[0]])
         bar.update(sum(rows[k][0].shape[0] for k in idx))
         i = j
     bar.close()
@@ -455,6 +461,9 @@ def train(cfg: TrainConfig, target: TargetModel | None = None) -> dict:
         raise TrainError(f"loss.unroll_fraction {cfg.loss.unroll_fraction}: expected a fraction in (0, 1]")
     if not (cfg.budget.max_steps or cfg.budget.minutes or cfg.budget.epochs):
         raise TrainError("set a budget: budget.max_steps, budget.minutes or budget.epochs")
+    if cfg.data.feature_dtype not in FEATURE_DTYPES:
+        raise TrainError(f"data.feature_dtype {cfg.data.feature_dtype!r}: expected one of {', '.join(FEATURE_DTYPES)}")
+    feat_dtype = getattr(torch, cfg.data.feature_dtype)
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
     run = Path(cfg.run_dir)
@@ -483,8 +492,8 @@ def train(cfg: TrainConfig, target: TargetModel | None = None) -> dict:
         feats = val_feats = None
     else:
         feats = [f for src, part in zip(sources, parts)
-                 for f in cached_features(target, part, Path(src), "train", layers)]
-        val_feats = cached_features(target, val_rows, Path(cfg.data.prepared), "val", layers)
+                 for f in cached_features(target, part, Path(src), "train", layers, feat_dtype)]
+        val_feats = cached_features(target, val_rows, Path(cfg.data.prepared), "val", layers, feat_dtype)
     feat_s = time.perf_counter() - t_feat
     rows, feats, leaked = drop_val_rows(rows, feats, val_rows, cfg.data.val_overlap)
     if leaked:
