@@ -50,9 +50,10 @@ class PrepConfig:
     regenerate: bool = False       # rewrite the assistant replies with the target's greedy replies
     max_new_tokens: int = 256      # per regenerated reply
     regen_batch_size: int = 32
-    # Regeneration starts no new batch after this many minutes (0: no limit); the rows it did not reach are
-    # dropped as time_budget. The rows are then as many as the machine can write in that time, taken from the
-    # front of the data (sorted by length within chunks of regenerate.DEADLINE_CHUNK batches).
+    # Regeneration starts no new batch that would end after this many minutes at the previous batch's pace (0: no
+    # limit); the rows it did not reach are dropped as time_budget. The rows are then as many as the machine can
+    # write in that time, taken from the front of the data (sorted by length within chunks of
+    # regenerate.DEADLINE_CHUNK batches).
     max_minutes: float = 0.0
     max_length: int = 2048         # rows longer than this (in tokens) are dropped as too_long, never cut
     val_fraction: float = 0.05

@@ -473,9 +473,9 @@ def test_greedy_replies_match_plain_greedy_and_keep_the_features(tiny_target):
 
 
 def test_a_regeneration_deadline_keeps_a_prefix_of_the_prompts(tiny_target, monkeypatch):
-    """No batch starts after the deadline; prompts are then sorted by length only within chunks of DEADLINE_CHUNK
-    batches in input order, so the prompts done are the first chunks' (each with the reply it gets without a
-    deadline), and the rest get None."""
+    """No batch starts after the deadline, nor one that would end after it at the previous batch's pace; prompts
+    are then sorted by length only within chunks of DEADLINE_CHUNK batches in input order, so the prompts done are
+    the first chunks' (each with the reply it gets without a deadline), and the rest get None."""
     import sys
     import types
 
@@ -495,6 +495,10 @@ def test_a_regeneration_deadline_keeps_a_prefix_of_the_prompts(tiny_target, monk
     # chunk one, then the shorter prompt of chunk two ("Hello there" comes before the longer question)
     assert [r.new_ids for r in got[:2]] == [r.new_ids for r in plain[:2]] and got[3].new_ids == plain[3].new_ids
     assert got[2] is None and got[4] is None
+    # a batch that would end after the deadline if it took as long as the previous one (1 s) does not start
+    clock = iter(range(100))
+    got = greedy_replies(*args, deadline=2.5)
+    assert [r.new_ids for r in got[:2]] == [r.new_ids for r in plain[:2]] and got[2:] == [None] * 3
 
 
 def test_a_spent_time_budget_ends_every_conversation_and_prep_checks_it(tiny_target, tmp_path):
