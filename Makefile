@@ -8,7 +8,11 @@ DEMO := runs/demo
 # minutes. With training rows that repeat a held-out row in other words left out, 12 / 14 training minutes gave
 # tau 1.596 / 1.657 on the 16 held-out prompts; with 12 the whole demo took 25.5 minutes on a slow hour of the
 # 2-core machine, so 14 leaves ~2.5 of the 30 (BENCHMARKS.md). Batch 256 regenerates slower.
+# On a slower machine (Zen 3, AVX2 only: regeneration at ~110 new tokens/s against ~450) the 2,400 rows alone would
+# take ~45 minutes, so regeneration stops starting batches that would end after 10 minutes; on the faster machine
+# it writes all 2,400 rows in about 9.
 DEMO_ROWS ?= 2400
+DEMO_PREP_MINUTES ?= 10
 DEMO_MINUTES ?= 14
 
 .PHONY: setup demo test test-all clean-demo
@@ -29,7 +33,8 @@ setup: $(STAMP)
 # The whole path on the embedded default: regenerate + prep, train, evaluate on held-out ShareGPT prompts.
 demo: setup
 	$(BIN)/eagle prep --target smollm2-135m --data sharegpt --out $(DEMO)/data --max-rows $(DEMO_ROWS) \
-		--regenerate --max-turns 1 --max-new-tokens 192 --max-length 448 --regen-batch-size 128
+		--regenerate --max-turns 1 --max-new-tokens 192 --max-length 448 --regen-batch-size 128 \
+		--max-minutes $(DEMO_PREP_MINUTES)
 	$(BIN)/eagle train --config configs/smollm2-135m-eagle1.yaml data.prepared=$(DEMO)/data \
 		run_dir=$(DEMO)/train out=$(DEMO)/head budget.minutes=$(DEMO_MINUTES)
 	$(BIN)/eagle eval --target smollm2-135m --draft $(DEMO)/head --data $(DEMO)/data/val_conversations.jsonl \
