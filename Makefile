@@ -8,9 +8,9 @@ DEMO := runs/demo
 # minutes. With training rows that repeat a held-out row in other words left out, 12 / 14 training minutes gave
 # tau 1.596 / 1.657 on the 16 held-out prompts; with 12 the whole demo took 25.5 minutes on a slow hour of the
 # 2-core machine, so 14 leaves ~2.5 of the 30 (BENCHMARKS.md). Batch 256 regenerates slower.
-# On a slower machine (Zen 3, AVX2 only: regeneration at ~110 new tokens/s against ~450) the 2,400 rows alone would
-# take ~45 minutes, so regeneration stops starting batches that would end after 10 minutes; on the faster machine
-# it writes all 2,400 rows in about 9.
+# On a slower machine (Zen 3, AVX2 only: regeneration at ~150 new tokens/s against ~450) the 2,400 rows alone take
+# 32 minutes, so regeneration starts no batch that would end after 10 minutes; on the faster machine it writes all
+# 2,400 rows in about 9.
 DEMO_ROWS ?= 2400
 DEMO_PREP_MINUTES ?= 10
 DEMO_MINUTES ?= 14
