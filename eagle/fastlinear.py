@@ -28,10 +28,11 @@ what the layer's own forward does; an attention module alone likewise (`cpukerne
 The plan is cached per machine, thread count, torch version, set of shapes and available layouts under
 `$EAGLE_CACHE/fastlinear/`.
 With gradients enabled (training a head) a patched linear layer's products, forward and backward, run through the
-packed kernel too (`train_linear`); norms, attention and MLPs keep their stock forwards there. On other devices
-the stock forward runs. Above `MAX_ROWS` rows (a prefill, a regeneration batch) the layout measured for `MAX_ROWS`
-applies: the packed kernel multiplies 256-1024 rows at 2.3-2.7x `F.linear`'s speed here (BENCHMARKS.md). Results
-agree with the stock forward to float32 rounding (the summation order differs).
+packed kernel too (`train_linear`), or through `F.linear` where `plan_training` measured that faster; norms,
+attention and MLPs keep their stock forwards there. On other devices the stock forward runs. Above `MAX_ROWS`
+rows (a prefill, a regeneration batch) the layout measured for `MAX_ROWS` applies: the packed kernel multiplies
+256-1024 rows at 2.3-2.7x `F.linear`'s speed here (BENCHMARKS.md). Results agree with the stock forward to float32
+rounding (the summation order differs).
 """
 
 from __future__ import annotations
@@ -201,6 +202,47 @@ def _cpu_name() -> str:
         return ""
 
 
+def plan_training(model: nn.Module, rows: int = 1024, repeats: int = 2) -> dict[str, dict[str, float]]:
+    """Choose, per weight shape of the patched `model`, how its products run where gradients are wanted: the packed
+    kernel's forward and backward (`train_linear`) or `F.linear`'s, whichever took less time for `rows` rows (ms,
+    median of `repeats` after a warm-up, a fresh copy of the weight each time, as an optimizer step makes the kernel
+    repack it; a few seconds, once per machine). The kernel won 1.7x on a 2-core AVX-512 machine and lost 1.1-1.4x
+    on an AVX2 one (BENCHMARKS.md). Timings are cached per machine like the plan's; returns them."""
+    path = _plan_path(model, f"train{rows}")
+    if os.path.exists(path):
+        with open(path) as f:
+            timings = json.load(f)
+    else:
+        timings = {key: _time_training(w, rows, repeats)
+                   for key, w in {_shape_key(m.weight): m.weight for m in _linears(model)}.items()}
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.tmp{os.getpid()}"
+        with open(tmp, "w") as f:
+            json.dump(timings, f, indent=1)
+        os.replace(tmp, path)
+    for mod in _linears(model):
+        t = timings.get(_shape_key(mod.weight))
+        mod._fast_train = t is not None and t["kernel"] < t["linear"]
+    return timings
+
+
+def _time_training(w0: torch.Tensor, rows: int, repeats: int) -> dict[str, float]:
+    gen = torch.Generator(device="cpu").manual_seed(rows)  # leaves the global RNG alone
+    x = torch.randn(rows, w0.shape[1], generator=gen).requires_grad_()
+    gy = torch.randn(rows, w0.shape[0], generator=gen)
+    times = {}
+    for name, fn in (("kernel", train_linear), ("linear", F.linear)):
+        samples = []
+        for r in range(repeats + 1):
+            w = w0.detach().float().clone().requires_grad_(w0.requires_grad)  # a frozen weight gets no dW
+            t0 = time.perf_counter()
+            fn(x, w, None).backward(gy)
+            if r:
+                samples.append((time.perf_counter() - t0) * 1e3)
+        times[name] = round(statistics.median(samples), 3)
+    return times
+
+
 def load_or_calibrate(model: nn.Module, run: Callable[[int], float] | None = None) -> Plan:
     """The cached plan for this machine and model shapes, or a fresh calibration (seconds) saved for next time."""
     path = _plan_path(model, "sweep" if run is None else "passes")
@@ -225,7 +267,7 @@ def _fast_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     if not x.is_cpu:
         return F.linear(x, w, self.bias)
     if _wants_grad(x, w):
-        return train_linear(x, w, self.bias)
+        return train_linear(x, w, self.bias) if self.__dict__.get("_fast_train", True) else F.linear(x, w, self.bias)
     return _apply(x, w, self.bias, self._fast_by_rows[_row_index(x)])  # layouts checked to fit when patched
 
 
@@ -573,7 +615,7 @@ def linear_as(mod: nn.Module, x: torch.Tensor, weight: torch.Tensor) -> torch.Te
     logits over the target's lm_head rows of its draft vocabulary."""
     by_rows = mod.__dict__.get("_fast_by_rows")
     if by_rows is not None and x.is_cpu and _wants_grad(x, weight):
-        return train_linear(x, weight, None)
+        return train_linear(x, weight, None) if mod.__dict__.get("_fast_train", True) else F.linear(x, weight)
     if by_rows is None or _stock_path(x, weight):
         return F.linear(x, weight)
     return _apply(x, weight, None, _fitting(by_rows[_row_index(x)], weight))
@@ -603,6 +645,7 @@ def disable_fast_linear(model: nn.Module) -> None:
         if "forward" in mod.__dict__:
             del mod.forward
             del mod._fast_by_rows
+            mod.__dict__.pop("_fast_train", None)
             cpukernel.unpack(mod.weight)  # the packed copy the kernel kept (the weight's size again)
 
 

@@ -205,3 +205,32 @@ def test_kernel_products_give_f_linear_gradients():
     enable_fast_linear(layer, Plan(layouts={"70x40": {r: "kernel" for r in BUCKETS}}))
     layer(x).sum().backward()  # the patched forward with gradients wanted
     assert layer.weight.grad is not None and x.grad is not None
+
+
+@pytest.mark.skipif(not cpukernel.available(), reason="the C kernel does not build here")
+def test_training_products_take_the_path_measured_faster(tmp_path, monkeypatch):
+    """plan_training times the kernel's and F.linear's forward + backward per weight shape, caches the timings per
+    machine, and each patched layer then trains through the faster one."""
+    import eagle.fastlinear as fl
+
+    monkeypatch.setenv("EAGLE_CACHE", str(tmp_path))
+    model = nn.Sequential(nn.Linear(64, 96), nn.Linear(96, 32))
+    enable_fast_linear(model, Plan(layouts={"96x64": {r: "kernel" for r in BUCKETS},
+                                            "32x96": {r: "kernel" for r in BUCKETS}}))
+    timings = fl.plan_training(model, rows=64, repeats=1)
+    assert set(timings) == {"96x64", "32x96"} and all(set(t) == {"kernel", "linear"} for t in timings.values())
+    assert [m._fast_train for m in model] == [timings[k]["kernel"] < timings[k]["linear"] for k in ("96x64", "32x96")]
+    monkeypatch.setattr(fl, "_time_training", None)  # the second time the cached timings decide
+    assert fl.plan_training(model, rows=64, repeats=1) == timings
+
+    calls = []
+    monkeypatch.setattr(cpukernel, "linear_with_grad", lambda *a: calls.append(1) or F.linear(*a))
+    x = torch.randn(5, 64, requires_grad=True)
+    for choice in (True, False):
+        for m in model:
+            m._fast_train = choice
+        calls.clear()
+        model(x).sum().backward()
+        assert len(calls) == (2 if choice else 0)
+    disable_fast_linear(model)
+    assert not any("_fast_train" in m.__dict__ for m in model)

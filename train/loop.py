@@ -31,7 +31,7 @@ from eagle import EagleHead, HeadCache, HeadConfig, TargetModel, load_target
 from eagle.checkpoint import load_head, save_head
 from eagle.features import DTYPES as FEATURE_DTYPES, features_path, flat_rows, load_features, save_features
 from eagle.configio import save_config
-from eagle.fastlinear import enable_fast_linear, linear_as
+from eagle.fastlinear import enable_fast_linear, linear_as, plan_training
 from eagle.head import eagle3_layers, make_head
 from train.config import TrainConfig
 
@@ -535,6 +535,10 @@ def train(cfg: TrainConfig, target: TargetModel | None = None) -> dict:
     raw = accelerator.unwrap_model(head)
     if cfg.fast_linear and accelerator.device.type == "cpu":
         enable_fast_linear(raw)  # the layers' products, forward and backward, through the packed kernel
+        timings = plan_training(raw, min(cfg.optim.batch_tokens, 1024))  # ... where it beats F.linear's here
+        slower = sorted(k for k, t in timings.items() if t["kernel"] >= t["linear"])
+        if slower:
+            print(f"training products through F.linear for {', '.join(slower)} (measured faster than the kernel)")
 
     state = state or {"step": 0, "epoch": 0, "batch_in_epoch": 0, "train_s": 0.0, "best_tau": -1.0,
                       "tokens": 0, "done": False}
