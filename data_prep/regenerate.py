@@ -74,10 +74,11 @@ def greedy_replies(target, prompts: list[list[int]], max_new_tokens: int, batch_
 
     With a `deadline` (a `time.perf_counter()` value) no batch starts that would end after it if it took as long as
     the previous batch (so a slow machine does not overrun the budget by a whole batch: minutes at batch 128),
-    and the prompts never started get None. The prompts are then sorted by length within chunks of `DEADLINE_CHUNK` batches taken in input order, so
-    what gets done is the input's first chunks (and the shorter part of the last one started) rather than its
-    shortest prompts. Sorting only within each batch cost ~30 % of the new tokens per second here (every batch is
-    padded to its longest prompt: 96 against 138 tokens/s for the same 256 prompts at batch 128, BENCHMARKS.md).
+    and the prompts never started get None. The prompts are then sorted by length within chunks of
+    `DEADLINE_CHUNK` batches taken in input order, so what gets done is the input's first chunks (and the shorter
+    part of the last one started) rather than its shortest prompts. Sorting only within each batch cost ~30 % of
+    the new tokens per second here (every batch is padded to its longest prompt: 96 against 138 tokens/s for the
+    same 256 prompts at batch 128, BENCHMARKS.md).
     """
     out: list[Reply | None] = [None] * len(prompts)
     chunk = max(1, len(prompts)) if deadline is None else DEADLINE_CHUNK * batch_size
@@ -92,8 +93,8 @@ def greedy_replies(target, prompts: list[list[int]], max_new_tokens: int, batch_
                 break
             started = now
         rows = order[b: b + batch_size]
-        width = max(len(prompts[i]) for i in rows)
         # 1. Prefill the left-padded prompts; every row's next token is then the last column's argmax.
+        width = max(len(prompts[i]) for i in rows)
         ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
         attn = torch.zeros((len(rows), width), dtype=torch.long)
         for r, i in enumerate(rows):

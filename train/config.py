@@ -42,8 +42,8 @@ class DataConfig:
     # online: run the target on every batch (no feature cache on disk; slower); else features are computed once
     # and cached beside the prepared rows
     online: bool = False
-    # the cached features' dtype: float32, or bfloat16 / float16 for half the memory and disk (EAGLE-3's three
-    # layers over 2M SmolLM2 tokens: 14 GB in float32); batches are float32 either way
+    # the cached features' dtype: float32, or bfloat16 / float16 for half the memory and disk (an EAGLE-3 head's
+    # over 2M SmolLM2 tokens: 19 GB in float32); batches are float32 either way
     feature_dtype: str = "float32"
     # a training row is left out when it holds this share of a validation row's distinct reply 8-grams (a near
     # repeat: same reply to a reworded prompt), as well as when it is identical to one; above 1: identical only
