@@ -9,8 +9,8 @@ DEMO := runs/demo
 # tau 1.596 / 1.657 on the 16 held-out prompts; with 12 the whole demo took 25.5 minutes on a slow hour of the
 # 2-core machine, so 14 leaves ~2.5 of the 30 (BENCHMARKS.md). Batch 256 regenerates slower.
 # On a slower machine (Zen 3, AVX2 only: regeneration at ~150 new tokens/s against ~450) the 2,400 rows alone take
-# 32 minutes, so regeneration starts no batch that would end after 10 minutes; on the faster machine it writes all
-# 2,400 rows in about 9.
+# 32 minutes, so regeneration starts no batch that would end after 10 minutes: there it wrote 512 rows and the demo
+# took 27.7 minutes (tau 1.55). The faster machine took 9-11 minutes for all 2,400 without the cap.
 DEMO_ROWS ?= 2400
 DEMO_PREP_MINUTES ?= 10
 DEMO_MINUTES ?= 14
