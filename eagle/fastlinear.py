@@ -208,18 +208,9 @@ def plan_training(model: nn.Module, rows: int = 1024, repeats: int = 2) -> dict[
     median of `repeats` after a warm-up, a fresh copy of the weight each time, as an optimizer step makes the kernel
     repack it; a few seconds, once per machine). The kernel won 1.7x on a 2-core AVX-512 machine and lost 1.1-1.4x
     on an AVX2 one (BENCHMARKS.md). Timings are cached per machine like the plan's; returns them."""
-    path = _plan_path(model, f"train{rows}")
-    if os.path.exists(path):
-        with open(path) as f:
-            timings = json.load(f)
-    else:
-        timings = {key: _time_training(w, rows, repeats)
-                   for key, w in {_shape_key(m.weight): m.weight for m in _linears(model)}.items()}
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        tmp = f"{path}.tmp{os.getpid()}"
-        with open(tmp, "w") as f:
-            json.dump(timings, f, indent=1)
-        os.replace(tmp, path)
+    weights = {_shape_key(m.weight): m.weight for m in _linears(model)}  # one per shape
+    timings = _cached_json(_plan_path(model, f"train{rows}"),
+                           lambda: {key: _time_training(w, rows, repeats) for key, w in weights.items()})
     for mod in _linears(model):
         t = timings.get(_shape_key(mod.weight))
         mod._fast_train = t is not None and t["kernel"] < t["linear"]
@@ -245,17 +236,22 @@ def _time_training(w0: torch.Tensor, rows: int, repeats: int) -> dict[str, float
 
 def load_or_calibrate(model: nn.Module, run: Callable[[int], float] | None = None) -> Plan:
     """The cached plan for this machine and model shapes, or a fresh calibration (seconds) saved for next time."""
-    path = _plan_path(model, "sweep" if run is None else "passes")
+    return Plan.from_json(_cached_json(_plan_path(model, "sweep" if run is None else "passes"),
+                                       lambda: calibrate(model, run=run).to_json()))
+
+
+def _cached_json(path: str, make: Callable[[], dict]) -> dict:
+    """The JSON object cached at `path`, or `make()`'s, written there whole (temp file + rename) for next time."""
     if os.path.exists(path):
         with open(path) as f:
-            return Plan.from_json(json.load(f))
-    plan = calibrate(model, run=run)
+            return json.load(f)
+    obj = make()
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "w") as f:
-        json.dump(plan.to_json(), f, indent=1)
+        json.dump(obj, f, indent=1)
     os.replace(tmp, path)
-    return plan
+    return obj
 
 
 # The patched forwards below run ~200 times a decoding step, where every torch or Python operation costs a few
