@@ -2,7 +2,7 @@
 another git revision, on SmolLM2-135M's weight shapes at the row counts a decoding pass multiplies.
 
     .venv/bin/python benchmarks/kernel.py --against HEAD~1 /tmp/variant.py --rows 1 2 4 8 12 16
-    .venv/bin/python benchmarks/kernel.py --peak     # the arithmetic ceiling: 8- (and 16-) wide FMAs per second
+    .venv/bin/python benchmarks/kernel.py --peak     # the machine's ceilings: FMAs, BLAS products, memory reads
     .venv/bin/python benchmarks/kernel.py --attention 256 512 --rows 1 4 8 16 32   # attention alone
 
 Each shape gets enough distinct random weights to fill 64 MB (more than the last-level cache), so every sweep
@@ -66,6 +66,33 @@ def peak_fma(threads: int, iters: int = 50_000_000, width: int = 8) -> float:
     lib.fma_chains.argtypes, lib.fma_chains.restype = [ctypes.c_long, ctypes.c_int], ctypes.c_float
     best = min(_timed(lambda: lib.fma_chains(iters, threads)) for _ in range(5))
     return 12 * iters / best / 1e9
+
+
+def blas_gflops(threads: int, rows: int = 4096, out_f: int = 1536, in_f: int = 576) -> float:
+    """GFLOP/s of torch's own product (BLAS) on a large [rows, in] x [in, out] matmul, best of 5: what the matmuls
+    of a training batch or a long prefill can reach here."""
+    torch.set_num_threads(threads)
+    a, b = torch.randn(rows, in_f), torch.randn(in_f, out_f)
+    a @ b
+    best = min(_timed(lambda: a @ b) for _ in range(5))
+    return 2 * rows * in_f * out_f / best / 1e9
+
+
+def read_gb_s(threads: int) -> float:
+    """GB/s of summing a 256 MB tensor (more than the last-level cache), best of 5: how fast a one-token pass can
+    stream the weights."""
+    torch.set_num_threads(threads)
+    x = torch.ones(64 << 20)
+    x.sum()
+    return x.numel() * 4 / min(_timed(x.sum) for _ in range(5)) / 1e9
+
+
+def weight_count() -> int:
+    """SmolLM2-135M's weights in its products: 30 layers of SHAPES[:4] (q and o, k and v, gate and up, down) and the
+    lm_head."""
+    sizes = {s: int(s.split("x")[0]) * int(s.split("x")[1]) for s in SHAPES}
+    return 30 * (2 * sizes["576x576"] + 2 * sizes["192x576"] + 2 * sizes["1536x576"] + sizes["576x1536"]) \
+        + sizes["49152x576"]
 
 
 def _timed(fn) -> float:
@@ -143,6 +170,18 @@ def main() -> None:
                 g = peak_fma(n, width=w)
                 print(f"{w}-wide, {n} thread(s): {g:.2f} G FMAs per second per thread, "
                       f"{g * n * w * 2:.0f} GFLOP/s in all")
+        threads = torch.get_num_threads()
+        for n in sorted({1, threads}):
+            gflops, gb_s = blas_gflops(n), read_gb_s(n)
+            print(f"{n} thread(s): torch's product [4096, 576] x [576, 1536] {gflops:.0f} GFLOP/s, "
+                  f"reading memory {gb_s:.1f} GB/s")
+        # a target pass over M new tokens reads every weight once and multiplies it M times: it takes at least
+        # max(read time, product time) even if the two overlap perfectly (all threads, the last ones measured)
+        params = weight_count()
+        step_ms = params * 4 / gb_s / 1e6
+        fits = max(m for m in range(1, 257) if 2 * params * m / gflops / 1e6 <= 1.3 * step_ms)
+        print(f"SmolLM2-135M: {params / 1e6:.1f}M weights, a one-token pass >= {step_ms:.1f} ms (memory); at "
+              f"{gflops:.0f} GFLOP/s the products of M tokens fit in 1.3x that up to M = {fits}")
         return
     if args.attention is not None:
         time_attention(args.attention or [256, 512], args.rows, args.repeats)
