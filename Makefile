@@ -12,7 +12,8 @@ DEMO := runs/demo
 # 32 minutes, so regeneration starts no batch that would end after 10 minutes: there it wrote 512 rows and the demo
 # took 27.7 minutes (tau 1.55). The faster machine took 9-11 minutes for all 2,400 without the cap.
 # Batches of 2,048 tokens, half the preset's: on those 512 rows, 14 minutes made 1,025 steps instead of 415 and
-# simulated tau rose from 1.598 to 1.646 (1,024 tokens: 1.596 at 12 minutes, against 1.627).
+# simulated tau rose from 1.598 to 1.646 (1,024 tokens: 1.596 at 12 minutes, against 1.627). `make demo` there then:
+# 640 rows in a faster hour, 28.8 minutes, tau 1.59 on its 16 prompts (BENCHMARKS.md, nineteenth session).
 DEMO_ROWS ?= 2400
 DEMO_PREP_MINUTES ?= 10
 DEMO_MINUTES ?= 14
