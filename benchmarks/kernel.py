@@ -179,7 +179,7 @@ def main() -> None:
         # max(read time, product time) even if the two overlap perfectly (all threads, the last ones measured)
         params = weight_count()
         step_ms = params * 4 / gb_s / 1e6
-        fits = max(m for m in range(1, 257) if 2 * params * m / gflops / 1e6 <= 1.3 * step_ms)
+        fits = max((m for m in range(1, 257) if 2 * params * m / gflops / 1e6 <= 1.3 * step_ms), default=0)
         print(f"SmolLM2-135M: {params / 1e6:.1f}M weights, a one-token pass >= {step_ms:.1f} ms (memory); at "
               f"{gflops:.0f} GFLOP/s the products of M tokens fit in 1.3x that up to M = {fits}")
         return
