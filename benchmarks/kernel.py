@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from eagle import cpukernel
+from speed import bandwidth_gb_s  # benchmarks/speed.py: GB/s of summing a 256 MB tensor
 
 SHAPES = ("576x576", "192x576", "1536x576", "576x1536", "49152x576")
 
@@ -76,15 +77,6 @@ def blas_gflops(threads: int, rows: int = 4096, out_f: int = 1536, in_f: int = 5
     a @ b
     best = min(_timed(lambda: a @ b) for _ in range(5))
     return 2 * rows * in_f * out_f / best / 1e9
-
-
-def read_gb_s(threads: int) -> float:
-    """GB/s of summing a 256 MB tensor (more than the last-level cache), best of 5: how fast a one-token pass can
-    stream the weights."""
-    torch.set_num_threads(threads)
-    x = torch.ones(64 << 20)
-    x.sum()
-    return x.numel() * 4 / min(_timed(x.sum) for _ in range(5)) / 1e9
 
 
 def weight_count() -> int:
@@ -172,7 +164,8 @@ def main() -> None:
                       f"{g * n * w * 2:.0f} GFLOP/s in all")
         threads = torch.get_num_threads()
         for n in sorted({1, threads}):
-            gflops, gb_s = blas_gflops(n), read_gb_s(n)
+            gflops = blas_gflops(n)  # sets the thread count for the read too
+            gb_s = bandwidth_gb_s()
             print(f"{n} thread(s): torch's product [4096, 576] x [576, 1536] {gflops:.0f} GFLOP/s, "
                   f"reading memory {gb_s:.1f} GB/s")
         # a target pass over M new tokens reads every weight once and multiplies it M times: it takes at least

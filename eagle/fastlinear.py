@@ -263,7 +263,7 @@ def _fast_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     if not x.is_cpu:
         return F.linear(x, w, self.bias)
     if _wants_grad(x, w):
-        return train_linear(x, w, self.bias) if self.__dict__.get("_fast_train", True) else F.linear(x, w, self.bias)
+        return _grad_linear(self, x, w, self.bias)
     return _apply(x, w, self.bias, self._fast_by_rows[_row_index(x)])  # layouts checked to fit when patched
 
 
@@ -274,6 +274,12 @@ def train_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
             and cpukernel.available()):
         return cpukernel.linear_with_grad(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+def _grad_linear(mod: nn.Module, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """A product autograd records for patched module `mod`: through `train_linear` unless `plan_training` measured
+    `F.linear` faster for its weight shape."""
+    return train_linear(x, weight, bias) if mod.__dict__.get("_fast_train", True) else F.linear(x, weight, bias)
 
 
 def _wants_grad(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -611,7 +617,7 @@ def linear_as(mod: nn.Module, x: torch.Tensor, weight: torch.Tensor) -> torch.Te
     logits over the target's lm_head rows of its draft vocabulary."""
     by_rows = mod.__dict__.get("_fast_by_rows")
     if by_rows is not None and x.is_cpu and _wants_grad(x, weight):
-        return train_linear(x, weight, None) if mod.__dict__.get("_fast_train", True) else F.linear(x, weight)
+        return _grad_linear(mod, x, weight, None)
     if by_rows is None or _stock_path(x, weight):
         return F.linear(x, weight)
     return _apply(x, weight, None, _fitting(by_rows[_row_index(x)], weight))
