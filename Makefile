@@ -11,13 +11,12 @@ DEMO := runs/demo
 # On a slower machine (Zen 3, AVX2 only: regeneration at ~150 new tokens/s against ~450) the 2,400 rows alone take
 # 32 minutes, so regeneration starts no batch that would end after 10 minutes: there it wrote 512 rows and the demo
 # took 27.7 minutes (tau 1.55). The faster machine took 9-11 minutes for all 2,400 without the cap.
-# Batches of 2,048 tokens, half the preset's: on those 512 rows, 14 minutes made 1,025 steps instead of 415 and
-# simulated tau rose from 1.598 to 1.646 (1,024 tokens: 1.596 at 12 minutes, against 1.627). `make demo` there then:
-# 640 rows in a faster hour, 28.8 minutes, tau 1.59 on its 16 prompts (BENCHMARKS.md, nineteenth session).
+# The preset's batches of 2,048 tokens (4,096 before): on those 512 rows, 14 minutes made 1,025 steps instead of 415
+# and simulated tau rose from 1.598 to 1.646 (1,024 tokens: 1.596 at 12 minutes, against 1.627). `make demo` there
+# then: 640 rows in a faster hour, 28.8 minutes, tau 1.59 on its 16 prompts (BENCHMARKS.md, nineteenth session).
 DEMO_ROWS ?= 2400
 DEMO_PREP_MINUTES ?= 10
 DEMO_MINUTES ?= 14
-DEMO_BATCH_TOKENS ?= 2048
 
 .PHONY: setup demo test test-all clean-demo
 
@@ -40,7 +39,7 @@ demo: setup
 		--regenerate --max-turns 1 --max-new-tokens 192 --max-length 448 --regen-batch-size 128 \
 		--max-minutes $(DEMO_PREP_MINUTES)
 	$(BIN)/eagle train --config configs/smollm2-135m-eagle1.yaml data.prepared=$(DEMO)/data \
-		run_dir=$(DEMO)/train out=$(DEMO)/head budget.minutes=$(DEMO_MINUTES) optim.batch_tokens=$(DEMO_BATCH_TOKENS)
+		run_dir=$(DEMO)/train out=$(DEMO)/head budget.minutes=$(DEMO_MINUTES)
 	$(BIN)/eagle eval --target smollm2-135m --draft $(DEMO)/head --data $(DEMO)/data/val_conversations.jsonl \
 		--num-prompts 16 --max-new-tokens 128 --mode chain --num-speculative-tokens 3 --out $(DEMO)/eval
 
