@@ -70,6 +70,19 @@ def test_every_preset_loads():
         assert isinstance(cfg, TrainConfig)
 
 
+def test_the_smollm2_presets_differ_only_in_the_head():
+    """Issue 4: the EAGLE-1 and EAGLE-3 presets compare heads, so data, optimiser, budget and evaluation match; the
+    loss differs only where the heads' methods do (feature regression, the training-time test)."""
+    e1 = load_config(TrainConfig, ROOT / "configs/smollm2-135m-eagle1.yaml")
+    e3 = load_config(TrainConfig, ROOT / "configs/smollm2-135m-eagle3.yaml")
+    assert (e1.data, e1.optim, e1.budget, e1.eval) == (e3.data, e3.optim, e3.budget, e3.eval)
+    assert (e1.model.head_type, e3.model.head_type) == ("eagle1", "eagle3")
+    e3.model.head_type, e3.model.feature_layers = e1.model.head_type, e1.model.feature_layers
+    assert e1.model == e3.model
+    for key in ("noise", "positions"):
+        assert getattr(e1.loss, key) == getattr(e3.loss, key)
+
+
 def test_overrides_are_typed_and_unknown_keys_rejected(tmp_path):
     cfg = load_config(TrainConfig, ROOT / "configs/smollm2-135m-eagle1.yaml",
                       ["optim.lr=5e-4", "budget.minutes=2", "model.draft_vocab=4096", "optim.betas=[0.8,0.9]"])
