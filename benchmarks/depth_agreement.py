@@ -27,10 +27,10 @@ from pathlib import Path
 import torch
 
 from eagle import EagleHead, load_target
+from eagle.features import features_path
 from infer import SpeculativeDecoder
 from infer.evaluate import load_prompts
 from train.config import TrainConfig
-from eagle.features import features_path, load_features
 from train.loop import (acceptance_stats, cached_features, depth_counts, head_inputs, load_rows, simulated_accepts,
                         target_features, unrolled)
 
@@ -72,14 +72,13 @@ def main() -> None:
     layers = list(head.config.feature_layer_ids) if head.config.head_type == "eagle3" else None
     cfg = TrainConfig()
     rows = load_rows(cfg, "val", args.prepared)
-    # a cached feature file is matched on every row's length; without one, only the rows measured are passed
-    # (and nothing is cached), so a few rows of a large held-out file cost a few rows' pass
-    cached = load_features(features_path(args.prepared, "val", target, layers), [r[0].shape[0] for r in rows])
-    if cached is None and args.rows < len(rows):
+    # a feature file is matched on every row's length: without one, only the rows measured are passed (and
+    # nothing is cached), so a few rows of a large held-out file cost a few rows' pass
+    if args.rows < len(rows) and not features_path(args.prepared, "val", target, layers).exists():
         rows = rows[: args.rows]
         feats = target_features(target, rows, "target features (val)", layers)
     else:
-        feats = cached if cached is not None else cached_features(target, rows, Path(args.prepared), "val", layers)
+        feats = cached_features(target, rows, Path(args.prepared), "val", layers)
     tf = teacher_forced(head, target, rows[: args.rows], feats[: args.rows], args.k)
     sim = [a for row in simulated_accepts(head, target, rows[: args.rows], feats[: args.rows], args.k, 4096, layers)
            for a in row]
