@@ -51,6 +51,30 @@ def test_training_lowers_the_loss_and_exports_a_loadable_head(tmp_path, target):
     assert (tmp_path / "run/config.yaml").exists()
 
 
+@pytest.mark.parametrize("head", ["eagle1", "eagle3"])
+def test_bf16_mixed_precision_learns_and_keeps_float32_weights(tmp_path, target, head):
+    """mixed_precision=bf16 runs the step's products in bfloat16 under autocast: the loss falls as in float32, the
+    saved head is float32, and its losses are close to float32's: at the first step (same weights, same batch) and
+    over the last five."""
+    write_prepared(tmp_path / "data", target)
+    kind = ["model.draft_vocab=40"] + (["model.head_type=eagle3", "model.feature_layers=[0,1,2]", "loss.steps=2",
+                                        "optim.lr=1e-2"] if head == "eagle3" else [])
+    first, last = {}, {}
+    for mp in ("none", "bf16"):
+        train(config(tmp_path, "budget.max_steps=40", f"mixed_precision={mp}", f"run_dir={tmp_path / mp}",
+                     f"out={tmp_path / mp / 'head'}", *kind), target=target)
+        losses = [r["loss"] for r in map(json.loads, (tmp_path / mp / "log.jsonl").read_text().splitlines())
+                  if "loss" in r]
+        assert sum(losses[-5:]) / 5 < 0.9 * sum(losses[:5]) / 5
+        first[mp], last[mp] = losses[0], sum(losses[-5:]) / 5
+    assert first["bf16"] == pytest.approx(first["none"], rel=0.02) and first["bf16"] != first["none"]
+    assert last["bf16"] == pytest.approx(last["none"], rel=0.03)
+    saved = EagleHead.from_pretrained(tmp_path / "bf16/head").trainable_state_dict()
+    assert {v.dtype for v in saved.values() if v.is_floating_point()} == {torch.float32}
+    with pytest.raises(TrainError, match="mixed_precision 'fp8': expected none or bf16"):
+        train(config(tmp_path, "budget.max_steps=1", "mixed_precision=fp8"), target=target)
+
+
 def test_resume_continues_exactly(tmp_path, target, monkeypatch):
     import train.loop as loop
 

@@ -111,3 +111,7 @@ class TrainConfig:
     # on the CPU, the head's linear layers (forward and backward) and validation decoding through the packed C
     # kernel (eagle.fastlinear); false: torch's own products throughout
     fast_linear: bool = True
+    # "bf16": the training step's products in bfloat16 under autocast (weights, optimizer state, losses and
+    # validation stay float32), as on GPUs; on a CPU with AMX (Intel Sapphire Rapids and later) several times
+    # the tokens a second of float32, and the packed kernel is not used for training. "none": float32 throughout
+    mixed_precision: str = "none"

@@ -296,13 +296,13 @@ def head_loss(head: EagleHead, ids, mask, feats, cfg: TrainConfig, gen, noise: b
             p_logits = linear_as(head.lm_head, want, head.draft_lm_weight)  # F.linear unless the fast path is on
             if head.config.logit_softcap:
                 p_logits = torch.tanh(p_logits / head.config.logit_softcap) * head.config.logit_softcap
-            p = F.softmax(p_logits, dim=-1)
-        log_q = F.log_softmax(head.logits(out), dim=-1)
+            p = F.softmax(p_logits.float(), dim=-1)  # float32 even when the products run in bfloat16
+        log_q = F.log_softmax(head.logits(out).float(), dim=-1)
         ce = -(p * log_q).sum(-1).mean()
         if eagle3:
             step_loss = ce
         else:
-            feat_loss = F.smooth_l1_loss(out, want)
+            feat_loss = F.smooth_l1_loss(out.float(), want)
             step_loss = cfg.loss.feature_weight * feat_loss + cfg.loss.ce_weight * ce
         total = total + cfg.loss.step_decay ** (s - 1) * step_loss
         acc = (log_q.argmax(-1) == p.argmax(-1)).float().mean().item()
@@ -464,6 +464,8 @@ def train(cfg: TrainConfig, target: TargetModel | None = None) -> dict:
     if cfg.data.feature_dtype not in FEATURE_DTYPES:
         raise TrainError(f"data.feature_dtype {cfg.data.feature_dtype!r}: expected one of {', '.join(FEATURE_DTYPES)}")
     feat_dtype = getattr(torch, cfg.data.feature_dtype)
+    if cfg.mixed_precision not in ("none", "bf16"):
+        raise TrainError(f"mixed_precision {cfg.mixed_precision!r}: expected none or bf16")
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
     run = Path(cfg.run_dir)
@@ -533,7 +535,8 @@ def train(cfg: TrainConfig, target: TargetModel | None = None) -> dict:
         opt.load_state_dict(torch.load(run / "checkpoint" / "optimizer.pt", weights_only=True))
     head, opt = accelerator.prepare(head, opt)
     raw = accelerator.unwrap_model(head)
-    if cfg.fast_linear and accelerator.device.type == "cpu":
+    autocast = torch.autocast(accelerator.device.type, dtype=torch.bfloat16, enabled=cfg.mixed_precision == "bf16")
+    if cfg.fast_linear and accelerator.device.type == "cpu" and cfg.mixed_precision == "none":
         enable_fast_linear(raw)  # the layers' products, forward and backward, through the packed kernel
         timings = plan_training(raw, min(cfg.optim.batch_tokens, 1024))  # ... where it beats F.linear's here
         slower = sorted(k for k, t in timings.items() if t["kernel"] >= t["linear"])
@@ -587,8 +590,9 @@ def train(cfg: TrainConfig, target: TargetModel | None = None) -> dict:
             for g in opt.param_groups:
                 g["lr"] = lr_at()
             gen.manual_seed(cfg.seed * 1_000_003 + state["step"])  # noise depends on the step only: exact resume
-            loss, m = head_loss(raw, ids.to(accelerator.device), mask.to(accelerator.device),
-                                  f.to(accelerator.device, dtype), cfg, gen)
+            with autocast:
+                loss, m = head_loss(raw, ids.to(accelerator.device), mask.to(accelerator.device),
+                                    f.to(accelerator.device, dtype), cfg, gen)
             if not math.isfinite(m["loss"]):
                 bar.close()
                 raise TrainError(f"loss is {m['loss']} at step {state['step']} (batch {b} of epoch "
