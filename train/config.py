@@ -112,6 +112,7 @@ class TrainConfig:
     # kernel (eagle.fastlinear); false: torch's own products throughout
     fast_linear: bool = True
     # "bf16": the training step's products in bfloat16 under autocast (weights, optimizer state, losses and
-    # validation stay float32), as on GPUs; on a CPU with AMX (Intel Sapphire Rapids and later) several times
-    # the tokens a second of float32, and the packed kernel is not used for training. "none": float32 throughout
+    # validation stay float32), as on GPUs; the packed kernel is then not used for training. On a 2-core CPU with
+    # AMX it made fewer steps a minute than float32 (each new batch shape builds a new kernel; BENCHMARKS.md).
+    # "none": float32 throughout
     mixed_precision: str = "none"
