@@ -77,9 +77,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x):
-        xf = x.float()  # in float32 when the products run in bfloat16 (mixed-precision training)
-        var = xf.pow(2).mean(-1, keepdim=True)
-        return self.weight * (xf * torch.rsqrt(var + self.eps)).to(x.dtype)
+        if x.dtype in (torch.bfloat16, torch.float16):  # 16-bit products under autocast: normalise in float32
+            return self.forward(x.float()).to(x.dtype)
+        var = x.pow(2).mean(-1, keepdim=True)
+        return self.weight * (x * torch.rsqrt(var + self.eps))
 
 
 def rope_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float, dtype) -> tuple[torch.Tensor, torch.Tensor]:
