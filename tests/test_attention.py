@@ -55,26 +55,42 @@ def test_speculative_greedy_equals_plain_greedy_with_gqa_sdpa():
 
 
 @pytest.mark.skipif(not cpukernel.available(), reason="the C kernel does not build here")
-def test_kernel_attention_matches_sdpa_and_each_row_alone():
+@pytest.mark.parametrize("heads,kv_heads,rows,dim,threads", [(6, 3, 5, 16, 2), (9, 3, 5, 64, 2), (9, 3, 5, 64, 1),
+                                                          (4, 4, 3, 72, 2), (8, 2, 1, 128, 2)])
+def test_kernel_attention_matches_sdpa_and_each_row_alone(heads, kv_heads, rows, dim, threads):
+    # query tiles of 1 to 4 vectors (how many depends on the rows and threads), 16-wide value sums (dim >= 64) and
+    # 8-wide tails (16, 72), keys in groups of 8 and a tail of 5
     g = torch.Generator().manual_seed(0)
-    q = torch.randn(2, 5, 6, 16, generator=g).transpose(1, 2)  # [B, H, M, D] as the model makes it
-    k = torch.randn(2, 3, 32, 16, generator=g)[:, :, :21]        # a cache buffer's filled part
-    v = torch.randn(2, 3, 32, 16, generator=g)[:, :, :21]
-    keep = torch.rand(2, 1, 5, 21, generator=g) > 0.3
+    q = torch.randn(2, rows, heads, dim, generator=g).transpose(1, 2)  # [B, H, M, D] as the model makes it
+    k = torch.randn(2, kv_heads, 32, dim, generator=g)[:, :, :21]     # a cache buffer's filled part
+    v = torch.randn(2, kv_heads, 32, dim, generator=g)[:, :, :21]
+    keep = torch.rand(2, 1, rows, 21, generator=g) > 0.3
     keep[..., 0] = True
-    want = F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), attn_mask=keep,
-                                          scale=0.25).transpose(1, 2)
-    additive = torch.zeros(2, 1, 5, 21).masked_fill(~keep, float("-inf"))
-    for mask in (keep, additive):
-        got = cpukernel.attend(q, k, v, mask, 0.25)
-        torch.testing.assert_close(got, want)
-        alone = torch.cat([cpukernel.attend(q[:, :, i:i + 1], k, v, mask[:, :, i:i + 1], 0.25) for i in range(5)], 1)
-        assert torch.equal(got, alone)
+    rep = heads // kv_heads
+    want = F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1),
+                                          attn_mask=keep, scale=dim ** -0.5).transpose(1, 2)
+    additive = torch.zeros(2, 1, rows, 21).masked_fill(~keep, float("-inf"))
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for mask in (keep, additive):
+            got = cpukernel.attend(q, k, v, mask, dim ** -0.5)
+            torch.testing.assert_close(got, want)
+            alone = torch.cat([cpukernel.attend(q[:, :, i:i + 1], k, v, mask[:, :, i:i + 1], dim ** -0.5)
+                               for i in range(rows)], 1)
+            assert torch.equal(got, alone)
+        dead = keep.clone()
+        dead[0, :, 0] = False  # a row that sees no key (padding) gets zeros
+        got = cpukernel.attend(q, k, v, dead, dim ** -0.5)
+        assert torch.equal(got[0, 0], torch.zeros(heads, dim))
+        assert torch.equal(got[1], cpukernel.attend(q, k, v, keep, dim ** -0.5)[1])
+    finally:
+        torch.set_num_threads(before)
 
 
 @pytest.mark.skipif(not cpukernel.available(), reason="the C kernel does not build here")
 def test_fast_path_verification_pass_gives_each_token_the_bits_of_single_steps():
-    # kernel products, norms, MLPs and attention: a verification pass over M <= 32 tokens gives every token exactly
+    # kernel products, norms, MLPs and attention: a verification pass over M <= 64 tokens (here 40) gives every token exactly
     # the logits one-token steps give it, so speculative decoding on the fast path is lossless to the bit
     target = tiny_target(dtype=torch.float32, hidden=64)
     kernel = {f"{m.weight.shape[0]}x{m.weight.shape[1]}": {b: "kernel" for b in BUCKETS}
@@ -82,13 +98,13 @@ def test_fast_path_verification_pass_gives_each_token_the_bits_of_single_steps()
     enable_fast_linear(target.model, Plan(layouts=kernel))
     assert use_gqa_sdpa(target.model, True)
     g = torch.Generator().manual_seed(3)
-    prefix, nodes = torch.randint(0, 96, (1, 13), generator=g), torch.randint(0, 96, (1, 14), generator=g)
+    prefix, nodes = torch.randint(0, 96, (1, 13), generator=g), torch.randint(0, 96, (1, 40), generator=g)
     with torch.no_grad():
-        chain = _verify_logits(target, prefix, nodes, torch.arange(14) - 1)
+        chain = _verify_logits(target, prefix, nodes, torch.arange(40) - 1)
         steps = []
         cache = TargetCache()
         target.features(prefix, position_ids=torch.arange(13)[None], cache=cache.hf)
-        for i in range(14):
+        for i in range(40):
             feats = target.features(nodes[:, i:i + 1], position_ids=torch.tensor([[13 + i]]), cache=cache.hf)
             steps.append(target.logits(feats[0]))
     assert torch.equal(chain, torch.cat(steps))

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from eagle import cpukernel
+from eagle import cpukernel, fastlinear
 from eagle.fastlinear import (BUCKETS, LAYOUTS, Plan, calibrate, disable_fast_linear, enable_fast_linear,
                               fast_linear_enabled, linear)
 from eagle.attention import use_gqa_sdpa
@@ -63,6 +63,13 @@ def test_plan_covers_every_shape_and_bucket():
     assert Plan.from_json(plan.to_json()) == plan
     assert plan.layout(model[0].weight, 3) == plan.layouts["48x16"][4]
     assert plan.layout(model[0].weight, 1000) == plan.layouts["48x16"][BUCKETS[-1]]  # beyond: the last bucket's
+
+
+def test_plan_keeps_the_kernel_unless_another_layout_is_clearly_faster():
+    # a 4 % difference is within this machine's noise; 6 % is taken
+    assert fastlinear._choose({"linear": 100.0, "wxt": 120.0, "kernel": 104.0}) == "kernel"
+    assert fastlinear._choose({"linear": 100.0, "wxt": 120.0, "kernel": 106.0}) == "linear"
+    assert fastlinear._choose({"linear": 100.0, "wxt": 90.0}) == "wxt"  # no kernel on this machine
 
 
 def test_enable_then_remove_restores_the_stock_forward():
