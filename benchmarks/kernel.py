@@ -4,6 +4,7 @@ another git revision, on SmolLM2-135M's weight shapes at the row counts a decodi
     .venv/bin/python benchmarks/kernel.py --against HEAD~1 /tmp/variant.py --rows 1 2 4 8 12 16
     .venv/bin/python benchmarks/kernel.py --peak     # the machine's ceilings: FMAs, BLAS products, memory reads
     .venv/bin/python benchmarks/kernel.py --attention 256 512 --rows 1 4 8 16 32   # attention alone
+    .venv/bin/python benchmarks/kernel.py --attention 256 --rows 8 16 --against 817d914   # and another revision's
 
 Each shape gets enough distinct random weights to fill 64 MB (more than the last-level cache), so every sweep
 reads them from memory as a decoding pass does. The layouts are interleaved within each repeat in a new random order
@@ -116,9 +117,24 @@ def call(lib: ctypes.CDLL, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return y
 
 
-def time_attention(contexts: list[int], rows_list: list[int], repeats: int, layers: int = 30) -> None:
+def call_attend(lib: ctypes.CDLL, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                scale: float) -> torch.Tensor:
+    """cpukernel.attend through another build's library (bool mask)"""
+    B, H, M, D = q.shape
+    out = q.new_empty(B, M, H, D)
+    lib.attend(q.data_ptr(), q.stride(0), q.stride(1), q.stride(2), k.data_ptr(), v.data_ptr(), k.stride(0),
+               k.stride(1), k.stride(2), mask.data_ptr(), 1, mask.stride(0) if mask.shape[0] > 1 else 0,
+               mask.stride(2), out.data_ptr(), B, H, H // k.shape[1], M, k.shape[2], D, scale,
+               torch.get_num_threads())
+    return out
+
+
+def time_attention(contexts: list[int], rows_list: list[int], repeats: int, against: list[str],
+                   layers: int = 30) -> None:
     """ms per pass (SmolLM2's 30 layers, each with its own keys and values: 9 query heads on 3 key/value heads of
-    64) of the attention alone for M new tokens after `context` cached ones, tree-like causal mask."""
+    64) of the attention alone for M new tokens after `context` cached ones, tree-like causal mask; with `against`,
+    the attention kernels of those revisions too."""
+    others = {Path(rev).stem[-16:]: kernel_at(rev) for rev in against}
     print(f"threads {torch.get_num_threads()}; ms for {layers} layers, median of {repeats}")
     for context in contexts:
         for m in rows_list:
@@ -132,9 +148,12 @@ def time_attention(contexts: list[int], rows_list: list[int], repeats: int, laye
                                                       attn_mask=mask.repeat(1, 1, 3, 1), scale=0.125)
 
             fns = {"kernel": lambda q, k, v: cpukernel.attend(q, k, v, mask, 0.125), "folded sdpa": folded}
+            for name, lib in others.items():
+                fns[name] = lambda q, k, v, lib=lib: call_attend(lib, q, k, v, mask, 0.125)
+                torch.testing.assert_close(fns[name](qs[0], *kvs[0]), fns["kernel"](qs[0], *kvs[0]), msg=name)
             times: dict[str, list[float]] = {name: [] for name in fns}
-            for _ in range(repeats):
-                for name, fn in fns.items():
+            for r in range(repeats):
+                for name, fn in (fns.items() if r % 2 else reversed(fns.items())):
                     t0 = time.perf_counter()
                     for q, (k, v) in zip(qs, kvs):
                         fn(q, k, v)
@@ -177,7 +196,7 @@ def main() -> None:
               f"{gflops:.0f} GFLOP/s the products of M tokens fit in 1.3x that up to M = {fits}")
         return
     if args.attention is not None:
-        time_attention(args.attention or [256, 512], args.rows, args.repeats)
+        time_attention(args.attention or [256, 512], args.rows, args.repeats, args.against)
         return
     torch.manual_seed(0)
     layouts = {"F.linear": lambda x, w: F.linear(x, w), "kernel": lambda x, w: cpukernel.rows_linear(x, w, None)}
