@@ -350,7 +350,8 @@ def _cache_slot(attn: nn.Module, x: torch.Tensor, pe, mask, cache):
     """Where `_fused_attention` / `_fast_layer_forward` may run attention module `attn` in C: (cache layer, rows
     already cached) when x is one sequence of at most ATTENTION_ROWS (64) float32 rows, `gqa_sdpa` attention, a
     preallocated cache layer with room for the new rows, rotary tables and a mask the kernel reads (no mask only
-    for one row), nothing that needs gradients; else None. (The callers check first that the plan chose the kernel for every product.)"""
+    for one row), nothing that needs gradients; else None. (The callers check first that the plan chose the kernel
+    for every product.)"""
     if x.dim() != 3 or x.shape[0] != 1 or x.shape[1] > ATTENTION_ROWS or cache is None or pe is None:
         return None
     m = x.shape[1]

@@ -90,8 +90,9 @@ def test_kernel_attention_matches_sdpa_and_each_row_alone(heads, kv_heads, rows,
 
 @pytest.mark.skipif(not cpukernel.available(), reason="the C kernel does not build here")
 def test_fast_path_verification_pass_gives_each_token_the_bits_of_single_steps():
-    # kernel products, norms, MLPs and attention: a verification pass over M <= 64 tokens (here 40) gives every token exactly
-    # the logits one-token steps give it, so speculative decoding on the fast path is lossless to the bit
+    # kernel products, norms, MLPs and attention: a verification pass over M <= 64 tokens (here 40) gives every
+    # token exactly the logits one-token steps give it, so speculative decoding on the fast path is lossless to the
+    # bit
     target = tiny_target(dtype=torch.float32, hidden=64)
     kernel = {f"{m.weight.shape[0]}x{m.weight.shape[1]}": {b: "kernel" for b in BUCKETS}
               for m in target.model.modules() if isinstance(m, torch.nn.Linear)}
