@@ -14,6 +14,9 @@
   write, attention) or decoder layer (norms, attention, gated MLP, residual sums) in one call, made of the
   functions above: on this CPU each Python-level step around a C call costs microseconds, and these calls took
   about a quarter off a one-token pass (BENCHMARKS.md).
+- `screen_argmax`: the argmax of `rows_linear`'s logits, bit for bit, for greedy tokens: the weight read in int8
+  (`screen_tables`), a proven bound per output on how far the int8 estimate can lie from the float32 logit, and
+  float32 sums only for the outputs whose bound reaches the largest lower bound (a few of SmolLM2's 49,152).
 
 Every output row is computed alone, in the same order whatever the number of rows (each product summed over the
 inputs in order, one FMA each; a fixed reduction elsewhere; masked keys adding exact zeros), so a verification pass
@@ -623,6 +626,175 @@ void decoder_layer(const float *X, int64_t M, int64_t hid, const float *Wn1, flo
     rows_linear(Dn, Mid, 0, T, hid, inter, M, nthreads);
     for (int64_t i = 0; i < M * hid; i++) Y[i] = Hs[i] + T[i];
 }
+
+/* Greedy tokens read a quarter of the lm_head. Q holds W [out, in] in int8, packed as P is ([ceil(out / NB)][in][NB],
+   q = round(w / s) with one scale s per output); C bounds, per output and per unit of |x|, how far the kernel's
+   float32 logit L[o] (rows_linear: one FMA per input, in order) can lie from the int8 estimate A[o] = s[o] q[o] . x
+   (Cauchy-Schwarz on w - s q, plus both sums' float rounding; `screen_tables` in Python). For each row x of X:
+   1. A[o] for every output (int8 weights, any summation order: only the bounds below depend on it);
+   2. every o with A[o] + |x| C[o] >= max_o' (A[o'] - |x| C[o']) is a candidate: the argmax of L is one of them;
+   3. L[o] of the candidates only, from W's float32 rows [out, in], summed as the product kernel sums.
+   Y[m] is then the argmax of the kernel's logits, the first index among equal values; -1 when no output
+   qualified (a NaN in x). A is scratch [M, out]; lo and best [nthreads * M] floats, at [nthreads * M]. */
+/* sizeof(vw) / 4 int8 weights as floats (exactly) */
+static inline vw loadq(const int8_t *p) {
+#if defined(__AVX512F__)
+    return (vw)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+#elif defined(__AVX2__)
+    return (vw)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+#else
+    vw v;
+    for (int k = 0; k < (int)(sizeof(vw) / sizeof(float)); k++) v[k] = (float)p[k];
+    return v;
+#endif
+}
+
+static inline __attribute__((always_inline)) void qtile(const int8_t *Q, const float *X, int64_t in_f, int R,
+                                                         float *acc, const int8_t *ahead) {
+    vw a[RMAX][NV];
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < NV; j++) a[r][j] = (vw){0};
+    int64_t i = 0;
+    if (R == 1) {  /* one row: odd inputs into a second set of sums, for twice the independent FMA chains */
+        vw b[NV];
+        for (int j = 0; j < NV; j++) b[j] = (vw){0};
+        for (; i + 1 < in_f; i += 2) {
+            const vw x0 = splatw(X[i]), x1 = splatw(X[i + 1]);
+            for (int j = 0; j < NV; j++) {
+                a[0][j] = maddw(a[0][j], loadq(Q + i * NB + j * (NB / NV)), x0);
+                b[j] = maddw(b[j], loadq(Q + (i + 1) * NB + j * (NB / NV)), x1);
+            }
+        }
+        for (int j = 0; j < NV; j++) a[0][j] += b[j];
+    }
+    for (; i < in_f; i++) {
+        if (ahead && !(i & 1)) __builtin_prefetch(ahead + i * NB, 0, 2);  /* the next block, as tile() does */
+        vw w[NV];
+        for (int j = 0; j < NV; j++) w[j] = loadq(Q + i * NB + j * (NB / NV));
+        for (int r = 0; r < R; r++) {
+            const vw x = splatw(X[r * in_f + i]);
+            for (int j = 0; j < NV; j++) a[r][j] = maddw(a[r][j], w[j], x);
+        }
+    }
+    for (int r = 0; r < R; r++) memcpy(acc + r * NB, a[r], sizeof a[r]);
+}
+
+#define QTILE(R) static __attribute__((noinline)) void qtile##R(const int8_t *Q, const float *X, int64_t in_f, \
+                                                                 float *acc, const int8_t *ahead) { \
+    qtile(Q, X, in_f, R, acc, R >= PREFETCH_FROM ? ahead : 0); }
+QTILE(1) QTILE(2) QTILE(3) QTILE(4) QTILE(5) QTILE(6) QTILE(7) QTILE(8) QTILE(9) QTILE(10) QTILE(11) QTILE(12)
+#undef QTILE
+typedef void (*qtile_fn)(const int8_t *, const float *, int64_t, float *, const int8_t *);
+static const qtile_fn QTILES[13] = {0, qtile1, qtile2, qtile3, qtile4, qtile5, qtile6, qtile7, qtile8, qtile9,
+                                    qtile10, qtile11, qtile12};
+
+/* the kernel's sum for one output: tile()'s lane, one multiply-add per input in order from 0 */
+static inline float kernel_dot(const float *w, const float *x, int64_t n) {
+    float a = 0.0f;
+#ifdef __FMA__
+    for (int64_t i = 0; i < n; i++) a = fmaf(w[i], x[i], a);
+#else
+    for (int64_t i = 0; i < n; i++) a = a + w[i] * x[i];
+#endif
+    return a;
+}
+
+/* max over o in lo .. hi - 1 of a[o] - nx C[o] (-inf for none; NaNs are skipped) */
+static float lower_max(const float *a, const float *C, float nx, int64_t lo, int64_t hi) {
+    float top = -INFINITY;
+    int64_t o = lo;
+#ifdef __AVX2__
+    __m256 t0 = _mm256_set1_ps(-INFINITY), t1 = t0;
+    const __m256 n = _mm256_set1_ps(nx);
+    for (; o + 16 <= hi; o += 16) {  /* max_ps(v, t) returns t when v is NaN */
+        t0 = _mm256_max_ps(_mm256_sub_ps(_mm256_loadu_ps(a + o), _mm256_mul_ps(n, _mm256_loadu_ps(C + o))), t0);
+        t1 = _mm256_max_ps(_mm256_sub_ps(_mm256_loadu_ps(a + o + 8), _mm256_mul_ps(n, _mm256_loadu_ps(C + o + 8))),
+                           t1);
+    }
+    float lanes[8];
+    _mm256_storeu_ps(lanes, _mm256_max_ps(t0, t1));
+    for (int k = 0; k < 8; k++) top = lanes[k] > top ? lanes[k] : top;
+#endif
+    for (; o < hi; o++) {
+        const float v = a[o] - nx * C[o];
+        top = v > top ? v : top;
+    }
+    return top;
+}
+
+void screen_argmax(const int8_t *Q, const float *S, const float *C, const float *W, const float *X,
+                   int64_t out_f, int64_t in_f, int64_t M, float *A, float *lo_all, float *best_all,
+                   int64_t *at_all, int64_t *Y, int nthreads) {
+    float *nx = best_all + (int64_t)nthreads * M;  /* |x| of each row, rounded up */
+    for (int64_t m = 0; m < M; m++) {
+        double s = 0.0;
+        for (int64_t i = 0; i < in_f; i++) s += (double)X[m * in_f + i] * X[m * in_f + i];
+        nx[m] = (float)(sqrt(s) * (1.0 + 1e-6));
+    }
+    for (int64_t k = 0; k < (int64_t)nthreads * M; k++) {
+        lo_all[k] = best_all[k] = -INFINITY;
+        at_all[k] = -1;
+    }
+    const int64_t nblk = (out_f + NB - 1) / NB;
+    #pragma omp parallel num_threads(nthreads)
+    {
+        const int64_t t = omp_get_thread_num();
+        int64_t lo, hi;
+        share(nblk, &lo, &hi);
+        const int64_t o_lo = lo * NB, o_hi = hi * NB < out_f ? hi * NB : out_f;
+        float acc[RMAX * NB];
+        /* 1. the int8 estimates of this thread's outputs */
+        for (int64_t b = lo; b < hi; b++)
+            for (int64_t m0 = 0; m0 < M;) {
+                const int R = tile_rows(M - m0);
+                QTILES[R](Q + b * in_f * NB, X + m0 * in_f, in_f, acc,
+                          m0 == 0 && b + 1 < hi ? Q + (b + 1) * in_f * NB : 0);
+                const int64_t o0 = b * NB, n = out_f - o0 < NB ? out_f - o0 : NB;
+                for (int r = 0; r < R; r++)
+                    for (int64_t o = 0; o < n; o++) A[(m0 + r) * out_f + o0 + o] = S[o0 + o] * acc[r * NB + o];
+                m0 += R;
+            }
+        /* 2. the largest lower bound among them, per row; after the barrier the largest of all threads' */
+        for (int64_t m = 0; m < M; m++) lo_all[t * M + m] = lower_max(A + m * out_f, C, nx[m], o_lo, o_hi);
+        #pragma omp barrier
+        /* 3. the exact logits of this thread's candidates, the first largest kept */
+        for (int64_t m = 0; m < M; m++) {
+            float thr = -INFINITY;
+            for (int k = 0; k < nthreads; k++) thr = lo_all[k * M + m] > thr ? lo_all[k * M + m] : thr;
+            const float *a = A + m * out_f;
+            float best = -INFINITY;
+            int64_t at = -1;
+            for (int64_t o0 = o_lo; o0 < o_hi; o0 += 8) {
+                /* the 8 outputs from o0 that reach the threshold, as bits */
+                unsigned bits = 0;
+#ifdef __AVX2__
+                if (o0 + 8 <= o_hi) {
+                    const __m256 hi8 = _mm256_add_ps(_mm256_loadu_ps(a + o0),
+                                                     _mm256_mul_ps(_mm256_set1_ps(nx[m]), _mm256_loadu_ps(C + o0)));
+                    bits = (unsigned)_mm256_movemask_ps(_mm256_cmp_ps(hi8, _mm256_set1_ps(thr), _CMP_GE_OQ));
+                } else
+#endif
+                    for (int64_t o = o0; o < o0 + 8 && o < o_hi; o++) bits |= (a[o] + nx[m] * C[o] >= thr) << (o - o0);
+                for (; bits; bits &= bits - 1) {
+                    const int64_t o = o0 + __builtin_ctz(bits);
+                    const float v = kernel_dot(W + o * in_f, X + m * in_f, in_f);
+                    if (at < 0 || v > best) { best = v; at = o; }
+                }
+            }
+            best_all[t * M + m] = best;
+            at_all[t * M + m] = at;
+        }
+    }
+    for (int64_t m = 0; m < M; m++) {  /* threads hold ascending ranges of outputs: a tie keeps the earlier */
+        float best = -INFINITY;
+        int64_t at = -1;
+        for (int k = 0; k < nthreads; k++) {
+            const int64_t o = at_all[k * M + m];
+            if (o >= 0 && (at < 0 || best_all[k * M + m] > best)) { best = best_all[k * M + m]; at = o; }
+        }
+        Y[m] = at;
+    }
+}
 """
 
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
@@ -679,8 +851,9 @@ def load(path: Path) -> ctypes.CDLL:
     lib.decoder_layer.argtypes = [vp, i64, i64, vp, ctypes.c_float, vp, ctypes.c_float, vp, vp, vp, vp, vp, vp, vp, vp,
                                   i64, i64, i64, vp, vp, vp, vp, i64, i64, vp, ctypes.c_int, i64, ctypes.c_float,
                                   vp, vp, vp, i64, vp, vp, ctypes.c_int]
+    lib.screen_argmax.argtypes = [vp, vp, vp, vp, vp, i64, i64, i64, vp, vp, vp, vp, vp, ctypes.c_int]
     for fn in (lib.rows_linear, lib.rows_gated, lib.rms_norm, lib.rope, lib.attend, lib.attention_block,
-               lib.decoder_layer):
+               lib.decoder_layer, lib.screen_argmax):
         fn.restype = None
     return lib
 
@@ -801,6 +974,56 @@ def rows_gated(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> torch.T
     (_lib or library()).rows_gated(packed(gate), packed(up), x.data_ptr(), y.data_ptr(), out_f, in_f,
                                    x.numel() // in_f, torch.get_num_threads())
     return y
+
+
+def screen_tables(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`screen_argmax`'s tables for weight [out, in] (float32, `supports`): the int8 weights q = round(w / s) packed
+    as `pack` packs, the scales s [out] (float32) and the bounds C [out]: |L - A| <= |x| C for any x, L the kernel's
+    float32 logit w . x and A = s (q . x) in float32. By Cauchy-Schwarz |w . x - s q . x| <= |x| |w - s q|, and a
+    float32 sum of n products lies within gamma_n = n u / (1 - n u) (u = 2^-24) of the exact one, relative to
+    sum |w_i x_i| <= |w| |x| (Higham, Accuracy and Stability of Numerical Algorithms, 3.1). C is that sum, from
+    float64, times 1.001 for the float32 arithmetic of the test itself, rounded up to float32. Made on first use and
+    kept on the weight like `packed`'s copy (a quarter of the weight's memory more)."""
+    try:
+        version = weight._version
+    except RuntimeError:
+        version = -1
+    hit = weight.__dict__.get("_eagle_screen")
+    if hit is None or hit[0] != version or hit[1] != weight.data_ptr():
+        w = weight.detach().double()
+        s = (w.abs().amax(1) / 127).float()
+        s = torch.where(s > 0, s, torch.ones_like(s))  # a zero row: q = 0, A = 0 = L exactly
+        q = torch.round(w / s.double()[:, None]).clamp(-127, 127)
+        n = w.shape[1] + 2
+        gamma = n * 2.0 ** -24 / (1 - n * 2.0 ** -24)
+        c = (w - s.double()[:, None] * q).norm(dim=1) + gamma * (s.double() * q.norm(dim=1) + w.norm(dim=1))
+        c32 = (c * 1.001).float()
+        c32 = torch.where(c32.double() < c * 1.001, torch.nextafter(c32, torch.tensor(float("inf"))), c32)
+        hit = weight.__dict__["_eagle_screen"] = (version, weight.data_ptr(), pack(q.to(torch.int8)), s, c32)
+    return hit[2], hit[3], hit[4]
+
+
+def screen_argmax(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`rows_linear(x, weight, None).argmax(-1)` for rows x [..., in] (float32), bit for bit, reading the weight
+    as int8 and only the few rows whose logit may be the largest in float32 (C `screen_argmax`): a quarter of the
+    bytes for a greedy token. The caller checked `supports(weight)`."""
+    if not x.is_contiguous():
+        x = x.contiguous()
+    out_f, in_f = weight.shape
+    m = x.numel() // in_f
+    q, s, c = screen_tables(weight)
+    threads = torch.get_num_threads()
+    a = _scratch(m * out_f + 3 * threads * m + m)
+    at = torch.empty(threads * m, dtype=torch.int64)
+    y = torch.empty(m, dtype=torch.int64)
+    lo = a[m * out_f:]
+    (_lib or library()).screen_argmax(q.data_ptr(), s.data_ptr(), c.data_ptr(), weight.data_ptr(), x.data_ptr(),
+                                      out_f, in_f, m, a.data_ptr(), lo.data_ptr(), lo[threads * m:].data_ptr(),
+                                      at.data_ptr(), y.data_ptr(), threads)
+    if (y < 0).any():  # a row with a NaN: no candidate; its logits the usual way
+        bad = (y < 0).nonzero().view(-1)
+        y[bad] = rows_linear(x.reshape(m, in_f)[bad], weight, None).argmax(-1)
+    return y.view(x.shape[:-1])
 
 
 def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int) -> torch.Tensor:

@@ -635,6 +635,13 @@ def linear_as(mod: nn.Module, x: torch.Tensor, weight: torch.Tensor) -> torch.Te
     return _apply(x, weight, None, _fitting(by_rows[_row_index(x)], weight))
 
 
+def kernel_rows(mod: nn.Module, rows: int) -> bool:
+    """Whether the patched linear layer `mod` multiplies `rows` rows through the packed kernel (False when it is
+    not patched)."""
+    by_rows = mod.__dict__.get("_fast_by_rows")
+    return by_rows is not None and by_rows[min(rows, MAX_ROWS)] == "kernel"
+
+
 def enable_fast_linear(model: nn.Module, plan: Plan | None = None, run: Callable[[int], float] | None = None) -> Plan:
     """Patch the forward of every `nn.Linear` in `model` (this instance only) to use the measured layouts (`plan`,
     else the cached or a fresh calibration, by whole passes when `run` is given; see `calibrate`).

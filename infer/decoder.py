@@ -21,8 +21,9 @@ from dataclasses import dataclass, field
 import torch
 
 from eagle import EagleHead, TargetModel, load_target
+from eagle import cpukernel
 from eagle.attention import use_gqa_sdpa
-from eagle.fastlinear import disable_fast_linear, enable_fast_linear, fast_linear_enabled
+from eagle.fastlinear import disable_fast_linear, enable_fast_linear, fast_linear_enabled, kernel_rows
 from infer import tree
 from infer.cache import TargetCache
 from infer.proposer import Draft, EagleProposer
@@ -50,6 +51,10 @@ class DecodeConfig:
     # the fast path: on CPU, the target's and the head's linear layers run through the measured matmul layouts
     # (eagle.fastlinear); on any device, tree-masked passes keep grouped key/value heads packed (eagle.attention)
     fast_linear: bool = True
+    # with the fast path, greedy tokens read the lm_head in int8 and recompute in float32 only the few rows that can
+    # be the largest: the argmax of the kernel's logits, bit for bit, for a quarter of the lm_head's bytes
+    # (eagle.cpukernel.screen_argmax); sampling reads the whole lm_head as before
+    screen_argmax: bool = True
 
 
 @dataclass
@@ -117,6 +122,7 @@ class SpeculativeDecoder:
         # EAGLE-3 heads read several target layers; EAGLE-1/2 heads the last features
         self._head_layers = (list(head.config.feature_layer_ids)
                              if head is not None and head.config.head_type == "eagle3" else None)
+        self._screen = False  # use_fast_path: greedy tokens may go through cpukernel.screen_argmax
 
     def use_fast_path(self, on: bool) -> None:
         """Patch (or restore) the linear layers of the target and the head in place; the first call on a machine
@@ -124,6 +130,9 @@ class SpeculativeDecoder:
         (eagle.attention: tree-masked passes without copying the KV cache per query head). `generate` and `stream`
         call it with the config's `fast_linear`; call it yourself to time the target's passes as decoding runs them."""
         use_gqa_sdpa(self.target.model, on)
+        lm = self.target.lm_head
+        self._screen = (on and isinstance(lm, torch.nn.Linear) and lm.bias is None and not self.target.softcap
+                        and cpukernel.supports(lm.weight) and cpukernel.available())
         for model in (self.target.model, self.head):
             if model is None:
                 continue
@@ -228,12 +237,22 @@ class SpeculativeDecoder:
                 return j
         return None
 
-    def _next_token(self, logits: torch.Tensor, cfg: DecodeConfig, generator) -> torch.Tensor:
-        """The target's token after one row of logits: argmax, or a draw from p."""
+    def greedy_tokens(self, feats: torch.Tensor, screen: bool = True) -> torch.Tensor:
+        """The target's greedy tokens for features [..., hidden], as decoding takes them: with `screen` and the fast
+        path on, through the int8 screen where the fast path multiplies this many rows by the lm_head in the kernel
+        (the same tokens, bit for bit: `cpukernel.screen_argmax`), else the argmax of the logits."""
+        lm = self.target.lm_head
+        if (screen and self._screen and feats.dtype == torch.float32 and feats.is_cpu
+                and kernel_rows(lm, feats.numel() // feats.shape[-1])):
+            return cpukernel.screen_argmax(feats, lm.weight)
+        return self.target.logits(feats).argmax(-1)
+
+    def _next_token(self, feats: torch.Tensor, cfg: DecodeConfig, generator) -> torch.Tensor:
+        """The target's token after one row of features: its argmax, or a draw from p."""
         if cfg.temperature > 0:
-            p = process(logits.view(1, -1), cfg.temperature, cfg.sampling_top_k, cfg.top_p)[0]
-            return torch.tensor([sample(p.cpu(), generator)], device=logits.device)
-        return logits.view(-1).argmax(-1).view(1)
+            p = process(self.target.logits(feats).view(1, -1), cfg.temperature, cfg.sampling_top_k, cfg.top_p)[0]
+            return torch.tensor([sample(p.cpu(), generator)], device=feats.device)
+        return self.greedy_tokens(feats.view(1, -1), cfg.screen_argmax).view(1)
 
     # -- engines -------------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -244,7 +263,7 @@ class SpeculativeDecoder:
         pos = torch.arange(ids.shape[1], device=t.device)[None]
         while True:
             feats = t.features(ids, position_ids=pos, cache=cache.hf)
-            ids = self._next_token(t.logits(feats[0, -1]), cfg, generator)[None]
+            ids = self._next_token(feats[0, -1], cfg, generator)[None]
             pos = pos[:, -1:] + 1
             yield [int(ids.item())]
 
@@ -260,7 +279,7 @@ class SpeculativeDecoder:
         L = ids.shape[1]
         feats, aux = t.hidden(ids, position_ids=torch.arange(L, device=dev)[None], cache=cache.hf,
                               layers=self._head_layers)
-        root = self._next_token(t.logits(feats[0, -1]), cfg, generator)
+        root = self._next_token(feats[0, -1], cfg, generator)
         out.prefill_s = time.perf_counter() - t0
         yield [int(root.item())]
         head_in = feats if aux is None else aux  # what the head reads: last features, or EAGLE-3's fused layers
@@ -276,13 +295,12 @@ class SpeculativeDecoder:
             mask = verify_mask(L, node_mask, feats.dtype).to(dev)
             feats, aux = t.hidden(tokens, position_ids=L + depth.to(dev)[None], attention_mask=mask, cache=cache.hf,
                                   layers=self._head_layers)
-            logits = t.logits(feats[0])
             # 4. accept the deepest path the target agrees with, plus the target's own token after it
             if cfg.temperature > 0:
-                p = process(logits, cfg.temperature, cfg.sampling_top_k, cfg.top_p).cpu()
+                p = process(t.logits(feats[0]), cfg.temperature, cfg.sampling_top_k, cfg.top_p).cpu()
                 best, nxt = accept_sampled(draft.tokens.cpu(), draft.parents, p, draft.q, generator)
             else:
-                p_argmax = logits.argmax(-1).cpu()
+                p_argmax = self.greedy_tokens(feats[0], cfg.screen_argmax).cpu()
                 best = accept_greedy(draft.tokens.cpu(), p_argmax, draft.parents, node_mask, depth)
                 nxt = int(p_argmax[best])
             path = tree.path_to(node_mask, best)

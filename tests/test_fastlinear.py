@@ -241,3 +241,56 @@ def test_training_products_take_the_path_measured_faster(tmp_path, monkeypatch):
         assert len(calls) == (2 if choice else 0)
     disable_fast_linear(model)
     assert not any("_fast_train" in m.__dict__ for m in model)
+
+
+@pytest.mark.skipif(not cpukernel.available(), reason="the C kernel does not build here")
+@pytest.mark.parametrize("threads", [1, 2])
+def test_screened_argmax_is_the_kernels_argmax_bit_for_bit(threads):
+    # ties (the first index wins), neighbours one float apart, rows that int8 cannot tell apart, a zero row, rows
+    # of very different norms, a row of x along one of the weight's rows, and a NaN row (the fallback)
+    g = torch.Generator().manual_seed(3)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for vocab, width in ((40, 32), (1000, 64), (3001, 96), (5000, 576)):
+            w = torch.randn(vocab, width, generator=g) * torch.rand(vocab, 1, generator=g) * 3
+            w[0] = 0
+            for a, b in torch.randint(0, vocab, (6, 2), generator=g).tolist():
+                w[b] = w[a]
+            w[7] = torch.nextafter(w[3], torch.full_like(w[3], 100.0))
+            w[11:30] = w[10] + torch.randn(19, width, generator=g) * 1e-4  # 20 rows within int8's error of each other
+            for rows in (1, 2, 5, 13, 30):
+                x = torch.randn(rows, width, generator=g)
+                x[0] = w[10] * 2
+                if rows == 5:
+                    x[3, 1] = float("nan")
+                got = cpukernel.screen_argmax(x, w)
+                want = cpukernel.rows_linear(x, w, None).argmax(-1)
+                assert got.dtype == torch.int64 and got.shape == (rows,)
+                assert torch.equal(got, want), (vocab, width, rows)
+            assert torch.equal(cpukernel.screen_argmax(x[None], w), want[None])  # leading axes kept
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.skipif(not cpukernel.available(), reason="the C kernel does not build here")
+def test_greedy_decoding_through_the_screen_gives_the_same_tokens(monkeypatch):
+    target = tiny_target(dtype=torch.float32, hidden=64, vocab_size=96)
+    head = tiny_head(target)
+    kernel_everywhere = Plan(layouts={fastlinear._shape_key(m.weight): {b: "kernel" for b in BUCKETS}
+                                      for model in (target.model, head) for m in fastlinear._linears(model)})
+    for model in (target.model, head):  # the layouts the screen follows: the kernel's for every row count
+        enable_fast_linear(model, plan=kernel_everywhere)
+    calls = []
+    screen = cpukernel.screen_argmax
+    monkeypatch.setattr(cpukernel, "screen_argmax", lambda x, w: calls.append(x.shape[0]) or screen(x, w))
+    dec = SpeculativeDecoder(target, head)
+    prompt = [5, 9, 14, 22, 7]
+    whole = dec.generate(prompt, max_new_tokens=24, speculative=False, screen_argmax=False).token_ids
+    assert not calls
+    plain = dec.generate(prompt, max_new_tokens=24, speculative=False).token_ids
+    assert calls and set(calls) == {1}
+    spec = dec.generate(prompt, max_new_tokens=24, num_speculative_tokens=3).token_ids
+    assert 4 in calls  # verification passes of 1 + 3 tokens
+    off = dec.generate(prompt, max_new_tokens=24, speculative=False, fast_linear=False).token_ids
+    assert plain == whole == spec == off

@@ -30,13 +30,15 @@ def baselines(target):
 
 def test_engine_greedy_equals_transformers_greedy_with_fast_linear_on_and_off(target, baselines):
     dec = SpeculativeDecoder(target, None)
+    whole = [dec.generate(p, 40, speculative=False, screen_argmax=False).token_ids for p in PROMPTS]
     off = [dec.generate(p, 40, speculative=False, fast_linear=False).token_ids for p in PROMPTS]
     assert not any("forward" in m.__dict__ for m in target.model.modules())  # the stock layers are back
-    for p, base, plain in zip(PROMPTS, baselines, off):
+    for p, base, lm_head, plain in zip(PROMPTS, baselines, whole, off):
         ids = torch.tensor([dec.encode(p)])
         hf = target.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=40, do_sample=False,
                                    eos_token_id=target.eos_ids)[0, ids.shape[1]:].tolist()
-        assert base.token_ids == plain == hf  # the baselines ran with the fast layouts (the default)
+        # the baselines ran with the fast layouts and greedy tokens through the int8 screen (the defaults)
+        assert base.token_ids == lm_head == plain == hf
 
 
 def test_chain_decoding_is_lossless_with_a_random_head(target, baselines):
