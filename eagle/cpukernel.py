@@ -17,6 +17,7 @@
 - `screen_argmax`: the argmax of `rows_linear`'s logits, bit for bit, for greedy tokens: the weight read in int8
   (`screen_tables`), a proven bound per output on how far the int8 estimate can lie from the float32 logit, and
   float32 sums only for the outputs whose bound reaches the largest lower bound (a few of SmolLM2's 49,152).
+  With AVX512-VNNI the int8 estimate is integer arithmetic on x rounded to int16 (its rounding in the bound too).
 
 Every output row is computed alone, in the same order whatever the number of rows (each product summed over the
 inputs in order, one FMA each; a fixed reduction elsewhere; masked keys adding exact zeros), so a verification pass
@@ -688,6 +689,48 @@ typedef void (*qtile_fn)(const int8_t *, const float *, int64_t, float *, const 
 static const qtile_fn QTILES[13] = {0, qtile1, qtile2, qtile3, qtile4, qtile5, qtile6, qtile7, qtile8, qtile9,
                                     qtile10, qtile11, qtile12};
 
+#ifdef __AVX512VNNI__
+/* With AVX512-VNNI the estimate is exact integer arithmetic on x rounded to int16 (x = sx xq + d, |d| <= sx / 2),
+   32 products a dot-product instruction instead of 16 an FMA, no int8-to-float conversion: Q packed by input pairs,
+   [ceil(out / NB)][in / 2][NB][2]. acc[r * NB + j] = sum_i q[j, i] xq[r, i], exactly (in int32: |xq| is kept small
+   enough that no sum overflows). */
+#define SCREEN_PAIRS 1
+static inline __attribute__((always_inline)) void ptile(const int8_t *Q, const int16_t *Xq, int64_t in_f, int R,
+                                                         float *acc, const int8_t *ahead) {
+    __m512i a[RMAX][2];
+    for (int r = 0; r < R; r++) a[r][0] = a[r][1] = _mm512_setzero_si512();
+    for (int64_t k = 0; k < in_f / 2; k++) {
+        if (ahead) __builtin_prefetch(ahead + k * 2 * NB, 0, 2);  /* the next block: one line per input pair */
+        const __m512i w0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(Q + k * 2 * NB)));
+        const __m512i w1 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(Q + k * 2 * NB + NB)));
+        for (int r = 0; r < R; r++) {
+            int32_t pair;
+            memcpy(&pair, Xq + r * in_f + 2 * k, sizeof pair);
+            const __m512i x = _mm512_set1_epi32(pair);
+            a[r][0] = _mm512_dpwssd_epi32(a[r][0], w0, x);
+            a[r][1] = _mm512_dpwssd_epi32(a[r][1], w1, x);
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        _mm512_storeu_ps(acc + r * NB, _mm512_cvtepi32_ps(a[r][0]));
+        _mm512_storeu_ps(acc + r * NB + 16, _mm512_cvtepi32_ps(a[r][1]));
+    }
+}
+#define PTILE(R) static __attribute__((noinline)) void ptile##R(const int8_t *Q, const int16_t *Xq, int64_t in_f, \
+                                                                 float *acc, const int8_t *ahead) { \
+    ptile(Q, Xq, in_f, R, acc, R >= PREFETCH_FROM ? ahead : 0); }
+PTILE(1) PTILE(2) PTILE(3) PTILE(4) PTILE(5) PTILE(6) PTILE(7) PTILE(8) PTILE(9) PTILE(10) PTILE(11) PTILE(12)
+#undef PTILE
+typedef void (*ptile_fn)(const int8_t *, const int16_t *, int64_t, float *, const int8_t *);
+static const ptile_fn PTILES[13] = {0, ptile1, ptile2, ptile3, ptile4, ptile5, ptile6, ptile7, ptile8, ptile9,
+                                    ptile10, ptile11, ptile12};
+#else
+#define SCREEN_PAIRS 0
+#endif
+
+/* whether screen_argmax reads Q packed by input pairs (AVX512-VNNI) or as `pack` packs */
+int screen_pairs(void) { return SCREEN_PAIRS; }
+
 /* the kernel's sum for one output: tile()'s lane, one multiply-add per input in order from 0 */
 static inline float kernel_dot(const float *w, const float *x, int64_t n) {
     float a = 0.0f;
@@ -722,14 +765,33 @@ static float lower_max(const float *a, const float *C, float nx, int64_t lo, int
     return top;
 }
 
-void screen_argmax(const int8_t *Q, const float *S, const float *C, const float *W, const float *X,
+void screen_argmax(const int8_t *Q, const float *S, const float *C, double n_max, const float *W, const float *X,
                    int64_t out_f, int64_t in_f, int64_t M, float *A, float *lo_all, float *best_all,
-                   int64_t *at_all, int64_t *Y, int nthreads) {
-    float *nx = best_all + (int64_t)nthreads * M;  /* |x| of each row, rounded up */
+                   int64_t *at_all, int16_t *Xq, int64_t *Y, int nthreads) {
+    /* per row: |x| rounded up, and a bound added to every output's (NaN for a row with a NaN: no candidate) */
+    float *nx = best_all + (int64_t)nthreads * M, *extra = nx + M, *sx = extra + M;
     for (int64_t m = 0; m < M; m++) {
+        const float *x = X + m * in_f;
         double s = 0.0;
-        for (int64_t i = 0; i < in_f; i++) s += (double)X[m * in_f + i] * X[m * in_f + i];
+        for (int64_t i = 0; i < in_f; i++) s += (double)x[i] * x[i];
         nx[m] = (float)(sqrt(s) * (1.0 + 1e-6));
+        extra[m] = isnan(nx[m]) ? NAN : 0.0f;
+#if SCREEN_PAIRS
+        /* x = sx xq + d: |x . w - A| grows by at most |d| |s q| <= |d| n_max (n_max: the largest |s q| of a row) */
+        const int64_t lim = (INT32_MAX / 127) / in_f, kq = lim < 16383 ? lim : 16383;
+        float mx = 0.0f;
+        for (int64_t i = 0; i < in_f; i++) mx = fabsf(x[i]) > mx ? fabsf(x[i]) : mx;
+        sx[m] = mx > 0.0f ? mx / (float)kq : 1.0f;
+        double d = 0.0;
+        for (int64_t i = 0; i < in_f; i++) {
+            const float r = fminf(fmaxf(nearbyintf(x[i] / sx[m]), (float)-kq), (float)kq);
+            Xq[m * in_f + i] = (int16_t)r;
+            d += ((double)x[i] - (double)sx[m] * r) * ((double)x[i] - (double)sx[m] * r);
+        }
+        extra[m] += (float)(sqrt(d) * n_max * 1.001);
+#else
+        (void)Xq; (void)n_max; (void)sx;
+#endif
     }
     for (int64_t k = 0; k < (int64_t)nthreads * M; k++) {
         lo_all[k] = best_all[k] = -INFINITY;
@@ -747,20 +809,29 @@ void screen_argmax(const int8_t *Q, const float *S, const float *C, const float 
         for (int64_t b = lo; b < hi; b++)
             for (int64_t m0 = 0; m0 < M;) {
                 const int R = tile_rows(M - m0);
-                QTILES[R](Q + b * in_f * NB, X + m0 * in_f, in_f, acc,
-                          m0 == 0 && b + 1 < hi ? Q + (b + 1) * in_f * NB : 0);
+                const int8_t *ahead = m0 == 0 && b + 1 < hi ? Q + (b + 1) * in_f * NB : 0;
                 const int64_t o0 = b * NB, n = out_f - o0 < NB ? out_f - o0 : NB;
+#if SCREEN_PAIRS
+                PTILES[R](Q + b * in_f * NB, Xq + m0 * in_f, in_f, acc, ahead);
+                for (int r = 0; r < R; r++)
+                    for (int64_t o = 0; o < n; o++)
+                        A[(m0 + r) * out_f + o0 + o] = S[o0 + o] * (sx[m0 + r] * acc[r * NB + o]);
+#else
+                QTILES[R](Q + b * in_f * NB, X + m0 * in_f, in_f, acc, ahead);
                 for (int r = 0; r < R; r++)
                     for (int64_t o = 0; o < n; o++) A[(m0 + r) * out_f + o0 + o] = S[o0 + o] * acc[r * NB + o];
+#endif
                 m0 += R;
             }
         /* 2. the largest lower bound among them, per row; after the barrier the largest of all threads' */
-        for (int64_t m = 0; m < M; m++) lo_all[t * M + m] = lower_max(A + m * out_f, C, nx[m], o_lo, o_hi);
+        for (int64_t m = 0; m < M; m++)
+            lo_all[t * M + m] = lower_max(A + m * out_f, C, nx[m], o_lo, o_hi) - extra[m];
         #pragma omp barrier
         /* 3. the exact logits of this thread's candidates, the first largest kept */
         for (int64_t m = 0; m < M; m++) {
             float thr = -INFINITY;
             for (int k = 0; k < nthreads; k++) thr = lo_all[k * M + m] > thr ? lo_all[k * M + m] : thr;
+            thr -= extra[m];  /* a + nx C + extra >= thr, as a + nx C >= thr - extra */
             const float *a = A + m * out_f;
             float best = -INFINITY;
             int64_t at = -1;
@@ -851,7 +922,9 @@ def load(path: Path) -> ctypes.CDLL:
     lib.decoder_layer.argtypes = [vp, i64, i64, vp, ctypes.c_float, vp, ctypes.c_float, vp, vp, vp, vp, vp, vp, vp, vp,
                                   i64, i64, i64, vp, vp, vp, vp, i64, i64, vp, ctypes.c_int, i64, ctypes.c_float,
                                   vp, vp, vp, i64, vp, vp, ctypes.c_int]
-    lib.screen_argmax.argtypes = [vp, vp, vp, vp, vp, i64, i64, i64, vp, vp, vp, vp, vp, ctypes.c_int]
+    lib.screen_argmax.argtypes = [vp, vp, vp, ctypes.c_double, vp, vp, i64, i64, i64, vp, vp, vp, vp, vp, vp,
+                                  ctypes.c_int]
+    lib.screen_pairs.argtypes, lib.screen_pairs.restype = [], ctypes.c_int
     for fn in (lib.rows_linear, lib.rows_gated, lib.rms_norm, lib.rope, lib.attend, lib.attention_block,
                lib.decoder_layer, lib.screen_argmax):
         fn.restype = None
@@ -976,14 +1049,16 @@ def rows_gated(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> torch.T
     return y
 
 
-def screen_tables(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`screen_argmax`'s tables for weight [out, in] (float32, `supports`): the int8 weights q = round(w / s) packed
-    as `pack` packs, the scales s [out] (float32) and the bounds C [out]: |L - A| <= |x| C for any x, L the kernel's
-    float32 logit w . x and A = s (q . x) in float32. By Cauchy-Schwarz |w . x - s q . x| <= |x| |w - s q|, and a
-    float32 sum of n products lies within gamma_n = n u / (1 - n u) (u = 2^-24) of the exact one, relative to
-    sum |w_i x_i| <= |w| |x| (Higham, Accuracy and Stability of Numerical Algorithms, 3.1). C is that sum, from
-    float64, times 1.001 for the float32 arithmetic of the test itself, rounded up to float32. Made on first use and
-    kept on the weight like `packed`'s copy (a quarter of the weight's memory more)."""
+def screen_tables(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]:
+    """`screen_argmax`'s tables for weight [out, in] (float32, `supports`): the int8 weights q = round(w / s),
+    packed as `pack` packs or, where the kernel multiplies input pairs (AVX512-VNNI), as [ceil(out / 32)][in / 2]
+    [32][2]; the scales s [out] (float32); the bounds C [out]: |L - A| <= |x| C for any x, L the kernel's float32
+    logit w . x and A = s (q . x) in float32; and the largest |s q| of a row (for x rounded to int16 in the VNNI
+    case). By Cauchy-Schwarz |w . x - s q . x| <= |x| |w - s q|, and a float32 sum of n products lies within
+    gamma_n = n u / (1 - n u) (u = 2^-24) of the exact one, relative to sum |w_i x_i| <= |w| |x| (Higham, Accuracy
+    and Stability of Numerical Algorithms, 3.1). C is that sum, from float64, times 1.001 for the float32
+    arithmetic of the test itself, rounded up to float32. Made on first use and kept on the weight like `packed`'s
+    copy (a quarter of the weight's memory more)."""
     try:
         version = weight._version
     except RuntimeError:
@@ -996,11 +1071,21 @@ def screen_tables(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tor
         q = torch.round(w / s.double()[:, None]).clamp(-127, 127)
         n = w.shape[1] + 2
         gamma = n * 2.0 ** -24 / (1 - n * 2.0 ** -24)
-        c = (w - s.double()[:, None] * q).norm(dim=1) + gamma * (s.double() * q.norm(dim=1) + w.norm(dim=1))
+        sq = s.double()[:, None] * q
+        c = (w - sq).norm(dim=1) + gamma * (sq.norm(dim=1) + w.norm(dim=1))
         c32 = (c * 1.001).float()
         c32 = torch.where(c32.double() < c * 1.001, torch.nextafter(c32, torch.tensor(float("inf"))), c32)
-        hit = weight.__dict__["_eagle_screen"] = (version, weight.data_ptr(), pack(q.to(torch.int8)), s, c32)
-    return hit[2], hit[3], hit[4]
+        q8 = q.to(torch.int8)
+        if (_lib or library()).screen_pairs():
+            out_f, in_f = q8.shape
+            padded = -(-out_f // PACK) * PACK
+            q8 = torch.cat([q8, q8.new_zeros(padded - out_f, in_f)])
+            q8 = q8.view(padded // PACK, PACK, in_f // 2, 2).permute(0, 2, 1, 3).contiguous()
+        else:
+            q8 = pack(q8)
+        hit = (version, weight.data_ptr(), q8, s, c32, float(sq.norm(dim=1).max()))
+        weight.__dict__["_eagle_screen"] = hit
+    return hit[2:]
 
 
 def screen_argmax(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -1011,15 +1096,17 @@ def screen_argmax(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         x = x.contiguous()
     out_f, in_f = weight.shape
     m = x.numel() // in_f
-    q, s, c = screen_tables(weight)
+    q, s, c, n_max = screen_tables(weight)
     threads = torch.get_num_threads()
-    a = _scratch(m * out_f + 3 * threads * m + m)
+    a = _scratch(m * out_f + 2 * threads * m + 3 * m)
     at = torch.empty(threads * m, dtype=torch.int64)
+    xq = torch.empty(m * in_f, dtype=torch.int16)
     y = torch.empty(m, dtype=torch.int64)
     lo = a[m * out_f:]
-    (_lib or library()).screen_argmax(q.data_ptr(), s.data_ptr(), c.data_ptr(), weight.data_ptr(), x.data_ptr(),
-                                      out_f, in_f, m, a.data_ptr(), lo.data_ptr(), lo[threads * m:].data_ptr(),
-                                      at.data_ptr(), y.data_ptr(), threads)
+    (_lib or library()).screen_argmax(q.data_ptr(), s.data_ptr(), c.data_ptr(), n_max, weight.data_ptr(),
+                                      x.data_ptr(), out_f, in_f, m, a.data_ptr(), lo.data_ptr(),
+                                      lo[threads * m:].data_ptr(), at.data_ptr(), xq.data_ptr(), y.data_ptr(),
+                                      threads)
     if (y < 0).any():  # a row with a NaN: no candidate; its logits the usual way
         bad = (y < 0).nonzero().view(-1)
         y[bad] = rows_linear(x.reshape(m, in_f)[bad], weight, None).argmax(-1)

@@ -243,34 +243,50 @@ def test_training_products_take_the_path_measured_faster(tmp_path, monkeypatch):
     assert not any("_fast_train" in m.__dict__ for m in model)
 
 
+def _check_screen_against_the_kernel(seed: int) -> None:
+    # ties (the first index wins), neighbours one float apart, rows that int8 cannot tell apart, a zero row, rows
+    # of very different norms, a row of x along one of the weight's rows, and a NaN row (the fallback)
+    g = torch.Generator().manual_seed(seed)
+    for vocab, width in ((40, 32), (1000, 64), (3001, 96), (5000, 576)):
+        w = torch.randn(vocab, width, generator=g) * torch.rand(vocab, 1, generator=g) * 3
+        w[0] = 0
+        for a, b in torch.randint(0, vocab, (6, 2), generator=g).tolist():
+            w[b] = w[a]
+        w[7] = torch.nextafter(w[3], torch.full_like(w[3], 100.0))
+        w[11:30] = w[10] + torch.randn(19, width, generator=g) * 1e-4  # 20 rows within int8's error of each other
+        for rows in (1, 2, 5, 13, 30):
+            x = torch.randn(rows, width, generator=g)
+            x[0] = w[10] * 2
+            if rows == 5:
+                x[3, 1] = float("nan")
+            got = cpukernel.screen_argmax(x, w)
+            want = cpukernel.rows_linear(x, w, None).argmax(-1)
+            assert got.dtype == torch.int64 and got.shape == (rows,)
+            assert torch.equal(got, want), (vocab, width, rows)
+        assert torch.equal(cpukernel.screen_argmax(x[None], w), want[None])  # leading axes kept
+
+
 @pytest.mark.skipif(not cpukernel.available(), reason="the C kernel does not build here")
 @pytest.mark.parametrize("threads", [1, 2])
 def test_screened_argmax_is_the_kernels_argmax_bit_for_bit(threads):
-    # ties (the first index wins), neighbours one float apart, rows that int8 cannot tell apart, a zero row, rows
-    # of very different norms, a row of x along one of the weight's rows, and a NaN row (the fallback)
-    g = torch.Generator().manual_seed(3)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        for vocab, width in ((40, 32), (1000, 64), (3001, 96), (5000, 576)):
-            w = torch.randn(vocab, width, generator=g) * torch.rand(vocab, 1, generator=g) * 3
-            w[0] = 0
-            for a, b in torch.randint(0, vocab, (6, 2), generator=g).tolist():
-                w[b] = w[a]
-            w[7] = torch.nextafter(w[3], torch.full_like(w[3], 100.0))
-            w[11:30] = w[10] + torch.randn(19, width, generator=g) * 1e-4  # 20 rows within int8's error of each other
-            for rows in (1, 2, 5, 13, 30):
-                x = torch.randn(rows, width, generator=g)
-                x[0] = w[10] * 2
-                if rows == 5:
-                    x[3, 1] = float("nan")
-                got = cpukernel.screen_argmax(x, w)
-                want = cpukernel.rows_linear(x, w, None).argmax(-1)
-                assert got.dtype == torch.int64 and got.shape == (rows,)
-                assert torch.equal(got, want), (vocab, width, rows)
-            assert torch.equal(cpukernel.screen_argmax(x[None], w), want[None])  # leading axes kept
+        _check_screen_against_the_kernel(3 + threads)
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.skipif(not (cpukernel.available() and cpukernel.library().screen_pairs()),
+                    reason="the native build already takes the float path")
+def test_screened_argmax_without_vnni(tmp_path, monkeypatch):
+    # the int8-to-float path that CPUs without AVX512-VNNI take (an AVX2 build), checked on this VNNI machine too
+    monkeypatch.setattr(cpukernel, "FLAGS", [f if f != "-march=native" else "-march=x86-64-v3"
+                                             for f in cpukernel.FLAGS])
+    cpukernel.build(tmp_path / "avx2.so")
+    monkeypatch.setattr(cpukernel, "_lib", cpukernel.load(tmp_path / "avx2.so"))
+    assert not cpukernel._lib.screen_pairs()
+    _check_screen_against_the_kernel(7)
 
 
 @pytest.mark.skipif(not cpukernel.available(), reason="the C kernel does not build here")
