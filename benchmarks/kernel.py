@@ -5,6 +5,7 @@ another git revision, on SmolLM2-135M's weight shapes at the row counts a decodi
     .venv/bin/python benchmarks/kernel.py --peak     # the machine's ceilings: FMAs, BLAS products, memory reads
     .venv/bin/python benchmarks/kernel.py --attention 256 512 --rows 1 4 8 16 32   # attention alone
     .venv/bin/python benchmarks/kernel.py --attention 256 --rows 8 16 --against 817d914   # and another revision's
+    .venv/bin/python benchmarks/kernel.py --screen --rows 1 4 8 16 32 64   # greedy tokens: int8 screen vs lm_head
 
 Each shape gets enough distinct random weights to fill 64 MB (more than the last-level cache), so every sweep
 reads them from memory as a decoding pass does. The layouts are interleaved within each repeat in a new random order
@@ -162,6 +163,56 @@ def time_attention(contexts: list[int], rows_list: list[int], repeats: int, agai
                 f"{name} {statistics.median(t):6.2f}" for name, t in times.items()), flush=True)
 
 
+def time_screen(rows_list: list[int], repeats: int) -> None:
+    """Greedy tokens from SmolLM2's lm_head: `cpukernel.screen_argmax` against the whole float32 lm_head through
+    the kernel and its argmax, on the target's own last features (3 MT-bench first turns and 48 greedy tokens
+    after each), interleaved; and how many outputs the screen recomputes in float32 per row (the same bound as
+    the C code, in float64 here)."""
+    from eagle import load_target
+    from infer import SpeculativeDecoder
+    from infer.evaluate import load_prompts
+
+    target = load_target("smollm2-135m")
+    dec = SpeculativeDecoder(target, None)
+    feats = []
+    for p in load_prompts("../shared/evaldata/mt_bench.jsonl", 3):
+        ids = dec.encode(p["prompt"])
+        ids += dec.generate(ids, 48, speculative=False).token_ids
+        with torch.inference_mode():
+            f, _ = target.hidden(torch.tensor([ids]), position_ids=torch.arange(len(ids))[None])
+        feats.append(f[0, -48:])
+    x_all = torch.cat(feats).contiguous()
+    w = target.lm_head.weight
+    _, s, c, n_max, _ = cpukernel.screen_tables(w)
+    wq = torch.round(w.double() / s.double()[:, None]).clamp(-127, 127) * s.double()[:, None]
+    x64 = x_all.double()
+    extra = torch.zeros(len(x64), dtype=torch.float64)
+    if cpukernel.library().screen_pairs():  # x rounded to int16 as the VNNI path does
+        lim = min((2 ** 31 - 1) // 127 // w.shape[1], 16383)
+        sx = x64.abs().amax(1, keepdim=True) / lim
+        extra = (x64 - torch.round(x64 / sx) * sx).norm(dim=1) * n_max
+    a = x64 @ wq.T
+    b = x64.norm(dim=1, keepdim=True) * c.double()[None] + extra[:, None]
+    n = ((a + b) >= (a - b).amax(1, keepdim=True)).sum(1).double()
+    print(f"outputs recomputed in float32 per row ({len(n)} rows): mean {n.mean():.1f}, median {n.median():.0f}, "
+          f"max {n.max():.0f} of {w.shape[0]}")
+    print(f"threads {torch.get_num_threads()}; ms per call, median of {repeats}, interleaved")
+    for m in rows_list:
+        x = x_all[:m].contiguous()
+        assert torch.equal(cpukernel.screen_argmax(x, w), cpukernel.rows_linear(x, w, None).argmax(-1))
+        times: dict[str, list[float]] = {"whole lm_head": [], "screen": []}
+        for r in range(repeats):
+            for name in (times if r % 2 else reversed(list(times))):
+                t0 = time.perf_counter()
+                if name == "screen":
+                    cpukernel.screen_argmax(x, w)
+                else:
+                    cpukernel.rows_linear(x, w, None).argmax(-1)
+                times[name].append((time.perf_counter() - t0) * 1e3)
+        whole, screen = statistics.median(times["whole lm_head"]), statistics.median(times["screen"])
+        print(f"M {m:>3}: whole lm_head {whole:6.2f}  screen {screen:6.2f}  ratio {screen / whole:.2f}", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), help="out x in, e.g. 576x1536")
@@ -173,7 +224,12 @@ def main() -> None:
     ap.add_argument("--attention", nargs="*", type=int, metavar="KEYS",
                     help="only time attention (cpukernel.attend against sdpa with the query heads folded, as "
                          "eagle.attention falls back to) at these cached lengths, for --rows query rows")
+    ap.add_argument("--screen", action="store_true",
+                    help="only time greedy tokens from SmolLM2's lm_head: the int8 screen against the whole lm_head")
     args = ap.parse_args()
+    if args.screen:
+        time_screen(args.rows, args.repeats)
+        return
     if args.peak:
         widths = [8, 16] if "avx512f" in Path("/proc/cpuinfo").read_text() else [8]
         for w in widths:

@@ -635,8 +635,10 @@ void decoder_layer(const float *X, int64_t M, int64_t hid, const float *Wn1, flo
    1. A[o] for every output (int8 weights, any summation order: only the bounds below depend on it);
    2. every o with A[o] + |x| C[o] >= max_o' (A[o'] - |x| C[o']) is a candidate: the argmax of L is one of them;
    3. L[o] of the candidates only, from W's float32 rows [out, in], summed as the product kernel sums.
-   Y[m] is then the argmax of the kernel's logits, the first index among equal values; -1 when no output
-   qualified (a NaN in x). A is scratch [M, out]; lo and best [nthreads * M] floats, at [nthreads * M]. */
+   Y[m] is then the argmax of the kernel's logits, the first index among equal values; -1 where the caller must
+   compute the whole row (a NaN or infinity in x or among the candidates' logits, logits that could overflow, or
+   more candidates than are worth summing one by one). n_max / w_max: the largest |s q| / |w| of an output.
+   A is scratch [M, out]; lo_all [nthreads M], best_all [nthreads M + 3 M] floats; at_all [nthreads M]; Xq [M, in]. */
 /* sizeof(vw) / 4 int8 weights as floats (exactly) */
 static inline vw loadq(const int8_t *p) {
 #if defined(__AVX512F__)
@@ -682,7 +684,7 @@ static inline __attribute__((always_inline)) void qtile(const int8_t *Q, const f
 
 #define QTILE(R) static __attribute__((noinline)) void qtile##R(const int8_t *Q, const float *X, int64_t in_f, \
                                                                  float *acc, const int8_t *ahead) { \
-    qtile(Q, X, in_f, R, acc, R >= PREFETCH_FROM ? ahead : 0); }
+    qtile(Q, X, in_f, R < RMAX ? R : RMAX, acc, R >= PREFETCH_FROM ? ahead : 0); }
 QTILE(1) QTILE(2) QTILE(3) QTILE(4) QTILE(5) QTILE(6) QTILE(7) QTILE(8) QTILE(9) QTILE(10) QTILE(11) QTILE(12)
 #undef QTILE
 typedef void (*qtile_fn)(const int8_t *, const float *, int64_t, float *, const int8_t *);
@@ -718,7 +720,7 @@ static inline __attribute__((always_inline)) void ptile(const int8_t *Q, const i
 }
 #define PTILE(R) static __attribute__((noinline)) void ptile##R(const int8_t *Q, const int16_t *Xq, int64_t in_f, \
                                                                  float *acc, const int8_t *ahead) { \
-    ptile(Q, Xq, in_f, R, acc, R >= PREFETCH_FROM ? ahead : 0); }
+    ptile(Q, Xq, in_f, R < RMAX ? R : RMAX, acc, R >= PREFETCH_FROM ? ahead : 0); }
 PTILE(1) PTILE(2) PTILE(3) PTILE(4) PTILE(5) PTILE(6) PTILE(7) PTILE(8) PTILE(9) PTILE(10) PTILE(11) PTILE(12)
 #undef PTILE
 typedef void (*ptile_fn)(const int8_t *, const int16_t *, int64_t, float *, const int8_t *);
@@ -734,7 +736,7 @@ int screen_pairs(void) { return SCREEN_PAIRS; }
 /* the kernel's sum for one output: tile()'s lane, one multiply-add per input in order from 0 */
 static inline float kernel_dot(const float *w, const float *x, int64_t n) {
     float a = 0.0f;
-#ifdef __FMA__
+#if defined(__FMA__) || defined(__AVX512F__)  /* maddw and madd fuse exactly then */
     for (int64_t i = 0; i < n; i++) a = fmaf(w[i], x[i], a);
 #else
     for (int64_t i = 0; i < n; i++) a = a + w[i] * x[i];
@@ -765,17 +767,20 @@ static float lower_max(const float *a, const float *C, float nx, int64_t lo, int
     return top;
 }
 
-void screen_argmax(const int8_t *Q, const float *S, const float *C, double n_max, const float *W, const float *X,
+void screen_argmax(const int8_t *Q, const float *S, const float *C, double n_max, double w_max,
+                   const float *W, const float *X,
                    int64_t out_f, int64_t in_f, int64_t M, float *A, float *lo_all, float *best_all,
                    int64_t *at_all, int16_t *Xq, int64_t *Y, int nthreads) {
-    /* per row: |x| rounded up, and a bound added to every output's (NaN for a row with a NaN: no candidate) */
+    /* per row: |x| rounded up, and a bound added to every output's: the rounding of products and sums that
+       underflow (up to 2^-126 each, with denormals flushed), and the int16 rounding of x below. NaN for a row that
+       the screen leaves to the caller (Y = -1): a NaN or infinity in x, or logits that could overflow. */
     float *nx = best_all + (int64_t)nthreads * M, *extra = nx + M, *sx = extra + M;
     for (int64_t m = 0; m < M; m++) {
         const float *x = X + m * in_f;
         double s = 0.0;
         for (int64_t i = 0; i < in_f; i++) s += (double)x[i] * x[i];
         nx[m] = (float)(sqrt(s) * (1.0 + 1e-6));
-        extra[m] = isnan(nx[m]) ? NAN : 0.0f;
+        extra[m] = isfinite(s) && sqrt(s) * w_max < 1e36 ? (float)(4.0 * (double)(in_f + 2) * 0x1p-126) : NAN;
 #if SCREEN_PAIRS
         /* x = sx xq + d: |x . w - A| grows by at most |d| |s q| <= |d| n_max (n_max: the largest |s q| of a row) */
         const int64_t lim = (INT32_MAX / 127) / in_f, kq = lim < 16383 ? lim : 16383;
@@ -834,8 +839,8 @@ void screen_argmax(const int8_t *Q, const float *S, const float *C, double n_max
             thr -= extra[m];  /* a + nx C + extra >= thr, as a + nx C >= thr - extra */
             const float *a = A + m * out_f;
             float best = -INFINITY;
-            int64_t at = -1;
-            for (int64_t o0 = o_lo; o0 < o_hi; o0 += 8) {
+            int64_t at = -1, count = 0;
+            for (int64_t o0 = o_lo; o0 < o_hi && at > -2; o0 += 8) {
                 /* the 8 outputs from o0 that reach the threshold, as bits */
                 unsigned bits = 0;
 #ifdef __AVX2__
@@ -849,6 +854,10 @@ void screen_argmax(const int8_t *Q, const float *S, const float *C, double n_max
                 for (; bits; bits &= bits - 1) {
                     const int64_t o = o0 + __builtin_ctz(bits);
                     const float v = kernel_dot(W + o * in_f, X + m * in_f, in_f);
+                    if (!isfinite(v) || ++count > (o_hi - o_lo) / 64 + 64) {  /* the caller's whole product: */
+                        at = -2;                         /* NaN / inf as torch orders them, or too many to sum */
+                        break;
+                    }
                     if (at < 0 || v > best) { best = v; at = o; }
                 }
             }
@@ -859,11 +868,12 @@ void screen_argmax(const int8_t *Q, const float *S, const float *C, double n_max
     for (int64_t m = 0; m < M; m++) {  /* threads hold ascending ranges of outputs: a tie keeps the earlier */
         float best = -INFINITY;
         int64_t at = -1;
-        for (int k = 0; k < nthreads; k++) {
+        for (int k = 0; k < nthreads && at > -2; k++) {
             const int64_t o = at_all[k * M + m];
-            if (o >= 0 && (at < 0 || best_all[k * M + m] > best)) { best = best_all[k * M + m]; at = o; }
+            if (o == -2) at = -2;
+            else if (o >= 0 && (at < 0 || best_all[k * M + m] > best)) { best = best_all[k * M + m]; at = o; }
         }
-        Y[m] = at;
+        Y[m] = at < 0 ? -1 : at;
     }
 }
 """
@@ -922,8 +932,8 @@ def load(path: Path) -> ctypes.CDLL:
     lib.decoder_layer.argtypes = [vp, i64, i64, vp, ctypes.c_float, vp, ctypes.c_float, vp, vp, vp, vp, vp, vp, vp, vp,
                                   i64, i64, i64, vp, vp, vp, vp, i64, i64, vp, ctypes.c_int, i64, ctypes.c_float,
                                   vp, vp, vp, i64, vp, vp, ctypes.c_int]
-    lib.screen_argmax.argtypes = [vp, vp, vp, ctypes.c_double, vp, vp, i64, i64, i64, vp, vp, vp, vp, vp, vp,
-                                  ctypes.c_int]
+    lib.screen_argmax.argtypes = [vp, vp, vp, ctypes.c_double, ctypes.c_double, vp, vp, i64, i64, i64, vp, vp,
+                                  vp, vp, vp, vp, ctypes.c_int]
     lib.screen_pairs.argtypes, lib.screen_pairs.restype = [], ctypes.c_int
     for fn in (lib.rows_linear, lib.rows_gated, lib.rms_norm, lib.rope, lib.attend, lib.attention_block,
                lib.decoder_layer, lib.screen_argmax):
@@ -1049,65 +1059,79 @@ def rows_gated(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> torch.T
     return y
 
 
-def screen_tables(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]:
+def screen_tables(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float, float] | None:
     """`screen_argmax`'s tables for weight [out, in] (float32, `supports`): the int8 weights q = round(w / s),
     packed as `pack` packs or, where the kernel multiplies input pairs (AVX512-VNNI), as [ceil(out / 32)][in / 2]
     [32][2]; the scales s [out] (float32); the bounds C [out]: |L - A| <= |x| C for any x, L the kernel's float32
-    logit w . x and A = s (q . x) in float32; and the largest |s q| of a row (for x rounded to int16 in the VNNI
-    case). By Cauchy-Schwarz |w . x - s q . x| <= |x| |w - s q|, and a float32 sum of n products lies within
-    gamma_n = n u / (1 - n u) (u = 2^-24) of the exact one, relative to sum |w_i x_i| <= |w| |x| (Higham, Accuracy
-    and Stability of Numerical Algorithms, 3.1). C is that sum, from float64, times 1.001 for the float32
-    arithmetic of the test itself, rounded up to float32. Made on first use and kept on the weight like `packed`'s
-    copy (a quarter of the weight's memory more)."""
+    logit w . x and A = s (q . x) in float32; and the largest |s q| and |w| of a row. By Cauchy-Schwarz
+    |w . x - s q . x| <= |x| |w - s q|, and a float32 sum of n products lies within gamma_n = n u / (1 - n u)
+    (u = 2^-24) of the exact one, relative to sum |w_i x_i| <= |w| |x| (Higham, Accuracy and Stability of
+    Numerical Algorithms, 3.1; underflow is the C code's absolute term). C is that sum, from float64, times 1.001
+    for the float32 arithmetic of the test itself, rounded up to float32. None for a weight with a NaN or an
+    infinity. Made on first use and kept on the weight like `packed`'s copy (a quarter of its memory more)."""
     try:
         version = weight._version
     except RuntimeError:
         version = -1
+    pairs = bool((_lib or library()).screen_pairs())
     hit = weight.__dict__.get("_eagle_screen")
-    if hit is None or hit[0] != version or hit[1] != weight.data_ptr():
-        w = weight.detach().double()
-        s = (w.abs().amax(1) / 127).float()
-        s = torch.where(s > 0, s, torch.ones_like(s))  # a zero row: q = 0, A = 0 = L exactly
-        q = torch.round(w / s.double()[:, None]).clamp(-127, 127)
-        n = w.shape[1] + 2
-        gamma = n * 2.0 ** -24 / (1 - n * 2.0 ** -24)
-        sq = s.double()[:, None] * q
-        c = (w - sq).norm(dim=1) + gamma * (sq.norm(dim=1) + w.norm(dim=1))
-        c32 = (c * 1.001).float()
-        c32 = torch.where(c32.double() < c * 1.001, torch.nextafter(c32, torch.tensor(float("inf"))), c32)
-        q8 = q.to(torch.int8)
-        if (_lib or library()).screen_pairs():
-            out_f, in_f = q8.shape
-            padded = -(-out_f // PACK) * PACK
-            q8 = torch.cat([q8, q8.new_zeros(padded - out_f, in_f)])
-            q8 = q8.view(padded // PACK, PACK, in_f // 2, 2).permute(0, 2, 1, 3).contiguous()
-        else:
-            q8 = pack(q8)
-        hit = (version, weight.data_ptr(), q8, s, c32, float(sq.norm(dim=1).max()))
-        weight.__dict__["_eagle_screen"] = hit
-    return hit[2:]
+    if hit is None or hit[:3] != (version, weight.data_ptr(), pairs):
+        tables = _screen_tables(weight.detach(), pairs) if bool(torch.isfinite(weight).all()) else None
+        hit = weight.__dict__["_eagle_screen"] = (version, weight.data_ptr(), pairs, tables)
+    return hit[3]
+
+
+def _screen_tables(weight: torch.Tensor, pairs: bool) -> tuple:
+    out_f, in_f = weight.shape
+    n = in_f + 2
+    gamma = n * 2.0 ** -24 / (1 - n * 2.0 ** -24)
+    q8 = torch.empty(out_f, in_f, dtype=torch.int8)
+    s, c = torch.empty(out_f), torch.empty(out_f)
+    n_max = w_max = 0.0
+    for lo in range(0, out_f, 4096):  # float64 in slices: the whole of a large lm_head would take GBs
+        w = weight[lo:lo + 4096].double()
+        sl = (w.abs().amax(1) / 127).float()
+        sl = torch.where(sl > 0, sl, torch.ones_like(sl))  # a zero row: q = 0, A = 0 = L exactly
+        q = torch.round(w / sl.double()[:, None]).clamp(-127, 127)
+        sq = sl.double()[:, None] * q
+        cl = ((w - sq).norm(dim=1) + gamma * (sq.norm(dim=1) + w.norm(dim=1))) * 1.001
+        c32 = cl.float()
+        c[lo:lo + 4096] = torch.where(c32.double() < cl, torch.nextafter(c32, torch.tensor(float("inf"))), c32)
+        s[lo:lo + 4096], q8[lo:lo + 4096] = sl, q.to(torch.int8)
+        n_max, w_max = max(n_max, float(sq.norm(dim=1).max())), max(w_max, float(w.norm(dim=1).max()))
+    if pairs:
+        padded = -(-out_f // PACK) * PACK
+        q8 = torch.cat([q8, q8.new_zeros(padded - out_f, in_f)])
+        q8 = q8.view(padded // PACK, PACK, in_f // 2, 2).permute(0, 2, 1, 3).contiguous()
+    else:
+        q8 = pack(q8)
+    return q8, s, c, n_max, w_max
 
 
 def screen_argmax(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """`rows_linear(x, weight, None).argmax(-1)` for rows x [..., in] (float32), bit for bit, reading the weight
     as int8 and only the few rows whose logit may be the largest in float32 (C `screen_argmax`): a quarter of the
-    bytes for a greedy token. The caller checked `supports(weight)`."""
+    bytes for a greedy token. Rows the screen cannot settle (non-finite values) take the whole product. The caller
+    checked `supports(weight)`."""
     if not x.is_contiguous():
         x = x.contiguous()
     out_f, in_f = weight.shape
     m = x.numel() // in_f
-    q, s, c, n_max = screen_tables(weight)
+    tables = screen_tables(weight)
+    if tables is None:
+        return rows_linear(x, weight, None).argmax(-1)
+    q, s, c, n_max, w_max = tables
     threads = torch.get_num_threads()
     a = _scratch(m * out_f + 2 * threads * m + 3 * m)
     at = torch.empty(threads * m, dtype=torch.int64)
     xq = torch.empty(m * in_f, dtype=torch.int16)
     y = torch.empty(m, dtype=torch.int64)
     lo = a[m * out_f:]
-    (_lib or library()).screen_argmax(q.data_ptr(), s.data_ptr(), c.data_ptr(), n_max, weight.data_ptr(),
+    (_lib or library()).screen_argmax(q.data_ptr(), s.data_ptr(), c.data_ptr(), n_max, w_max, weight.data_ptr(),
                                       x.data_ptr(), out_f, in_f, m, a.data_ptr(), lo.data_ptr(),
                                       lo[threads * m:].data_ptr(), at.data_ptr(), xq.data_ptr(), y.data_ptr(),
                                       threads)
-    if (y < 0).any():  # a row with a NaN: no candidate; its logits the usual way
+    if (y < 0).any():  # rows the screen left: their whole product, argmax as torch orders NaNs
         bad = (y < 0).nonzero().view(-1)
         y[bad] = rows_linear(x.reshape(m, in_f)[bad], weight, None).argmax(-1)
     return y.view(x.shape[:-1])

@@ -133,6 +133,8 @@ class SpeculativeDecoder:
         lm = self.target.lm_head
         self._screen = (on and isinstance(lm, torch.nn.Linear) and lm.bias is None and not self.target.softcap
                         and cpukernel.supports(lm.weight) and cpukernel.available())
+        if self._screen:
+            cpukernel.screen_tables(lm.weight)  # made now (~1 s for SmolLM2), not in the first timed token
         for model in (self.target.model, self.head):
             if model is None:
                 continue
@@ -243,6 +245,7 @@ class SpeculativeDecoder:
         (the same tokens, bit for bit: `cpukernel.screen_argmax`), else the argmax of the logits."""
         lm = self.target.lm_head
         if (screen and self._screen and feats.dtype == torch.float32 and feats.is_cpu
+                and not (torch.is_grad_enabled() and (feats.requires_grad or lm.weight.requires_grad))
                 and kernel_rows(lm, feats.numel() // feats.shape[-1])):
             return cpukernel.screen_argmax(feats, lm.weight)
         return self.target.logits(feats).argmax(-1)

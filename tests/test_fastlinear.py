@@ -266,6 +266,27 @@ def _check_screen_against_the_kernel(seed: int) -> None:
         assert torch.equal(cpukernel.screen_argmax(x[None], w), want[None])  # leading axes kept
 
 
+def _check_screen_edge_cases() -> None:
+    g = torch.Generator().manual_seed(11)
+    # products that underflow: both logits round to 2^-148 in the kernel, a tie the first index wins
+    w = torch.zeros(2, 32)
+    w[0, 0], w[1, 0] = 0.5, 0.6
+    x = torch.zeros(1, 32)
+    x[0, 0] = 3 * 2.0 ** -149
+    assert cpukernel.screen_argmax(x, w).tolist() == cpukernel.rows_linear(x, w, None).argmax(-1).tolist() == [0]
+    w = torch.randn(300, 64, generator=g)
+    w[5, 3] = 0.0
+    x = torch.randn(4, 64, generator=g)
+    x[0] = 0.0            # every output ties at 0: too many candidates, the whole product
+    x[1, 3] = float("inf")  # 0 * inf = NaN in row 5's logit: torch's argmax takes the first NaN
+    x[2] *= 1e30          # logits that may overflow
+    want = cpukernel.rows_linear(x, w, None).argmax(-1)
+    assert torch.equal(cpukernel.screen_argmax(x, w), want)
+    w[7, 0] = float("nan")  # a weight with a NaN: no tables, the whole product
+    assert cpukernel.screen_tables(w) is None
+    assert torch.equal(cpukernel.screen_argmax(x, w), cpukernel.rows_linear(x, w, None).argmax(-1))
+
+
 @pytest.mark.skipif(not cpukernel.available(), reason="the C kernel does not build here")
 @pytest.mark.parametrize("threads", [1, 2])
 def test_screened_argmax_is_the_kernels_argmax_bit_for_bit(threads):
@@ -273,6 +294,7 @@ def test_screened_argmax_is_the_kernels_argmax_bit_for_bit(threads):
     torch.set_num_threads(threads)
     try:
         _check_screen_against_the_kernel(3 + threads)
+        _check_screen_edge_cases()
     finally:
         torch.set_num_threads(before)
 
@@ -287,6 +309,7 @@ def test_screened_argmax_without_vnni(tmp_path, monkeypatch):
     monkeypatch.setattr(cpukernel, "_lib", cpukernel.load(tmp_path / "avx2.so"))
     assert not cpukernel._lib.screen_pairs()
     _check_screen_against_the_kernel(7)
+    _check_screen_edge_cases()
 
 
 @pytest.mark.skipif(not cpukernel.available(), reason="the C kernel does not build here")
