@@ -6,12 +6,15 @@ transformers' `generate`, its prompt lookup, our plain greedy and our speculativ
 
 Parts (every timing is a median over repeats, methods interleaved so machine noise hits them alike):
 1. memory: read bandwidth (a 256 MB sum) and the bytes of the target's weights, i.e. the floor of one step;
-2. the cost of one target pass over M new tokens with a KV cache of --context tokens, M = 1..32, stock (linear
-   layers and sdpa) vs the fast path (the measured layouts of eagle.fastlinear and eagle.attention's gqa_sdpa),
-   and its ratio to M = 1 (what verifying M tokens costs);
+2. the cost of one target pass over M new tokens after a KV cache of --context tokens, M = 1..32, on text the
+   target wrote itself (a verification pass of a chain it agrees with): stock (linear layers and sdpa), the fast
+   path (the measured layouts of eagle.fastlinear and eagle.attention's gqa_sdpa) with the whole float32 lm_head,
+   and the fast path with greedy tokens through the int8 screen (the default); the ratio to M = 1 (what
+   verifying M tokens costs);
 3. thread scaling of the same pass at M = 1 and 8;
-4. the prompts: HF generate and HF prompt lookup (stock layers, as users run them), our greedy with stock and
-   fast layers, our speculative decoding with fast layers; identical outputs checked against HF greedy.
+4. the prompts: HF generate and HF prompt lookup (stock layers, as users run them), our greedy with stock layers,
+   with fast layers and the whole lm_head, and as decoding runs by default; our speculative decoding; identical
+   outputs checked against HF greedy.
 The last line printed is a JSON object with `hf_generate_tps`, `engine_greedy_tps`, `spec_tps`,
 `verify_cost_ratio_k8`, `lossless` and the rest. Without --draft the speculative run is left out (`spec_tps` null):
 the engine's greedy against transformers' alone.
@@ -43,21 +46,34 @@ def bandwidth_gb_s() -> float:
     return x.numel() * 4 / statistics.median(times) / 1e9
 
 
+def real_text(dec: SpeculativeDecoder, data: str, length: int) -> list[int]:
+    """`length` tokens of text the target writes itself: MT-bench first turns, each followed by its greedy reply,
+    one after another. A pass over random tokens would give the target flat distributions, unlike decoding, where
+    the int8 screen (`screen_argmax`) then recomputes hundreds of logits per row instead of a few."""
+    ids: list[int] = []
+    for p in load_prompts(data, 20):
+        prompt = dec.encode(p["prompt"])
+        ids += prompt + dec.generate(prompt, 128, speculative=False).token_ids
+        if len(ids) >= length:
+            return ids[:length]
+    raise ValueError(f"{data}: fewer than {length} tokens in 20 prompts and their replies")
+
+
 @torch.inference_mode()
-def pass_ms(dec: SpeculativeDecoder, context: int, rows_list: list[int], repeats: int,
+def pass_ms(dec: SpeculativeDecoder, text: list[int], context: int, rows_list: list[int], repeats: int,
             fast: bool, screen: bool = True) -> dict[int, float]:
-    """Median ms of one target pass (features and the greedy token of every row) over `rows` new tokens after
-    `context`, with the layouts decoding uses (fast; `screen`: greedy tokens through the int8 screen, else the
-    whole float32 lm_head) or the stock layers."""
+    """Median ms of one target pass (features and the greedy token of every row) over `rows` new tokens of `text`
+    after its first `context`, with the layouts decoding uses (fast; `screen`: greedy tokens through the int8
+    screen, else the whole float32 lm_head) or the stock layers: a verification pass of a chain the target agrees
+    with."""
     target = dec.target
     dec.use_fast_path(fast)
     cache = TargetCache()
-    g = torch.Generator().manual_seed(0)
-    ctx = torch.randint(100, 20000, (1, context), generator=g)
+    ctx = torch.tensor([text[:context]])
     target.features(ctx, position_ids=torch.arange(context)[None], cache=cache.hf)
     out = {}
     for rows in rows_list:
-        ids = torch.randint(100, 20000, (1, rows), generator=g)
+        ids = torch.tensor([text[context:context + rows]])
         pos = torch.arange(context, context + rows)[None]
         times = []
         for r in range(repeats + 1):
@@ -104,10 +120,12 @@ def main() -> None:
     screened_bytes = weight_bytes - lm.numel() * (lm.element_size() - 1) if dec._screen else weight_bytes
     bw = bandwidth_gb_s()
     rows = [1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32]
+    text = real_text(dec, args.data, args.context + max(rows))
     curves = {name: {r: [] for r in rows} for name in ("stock", "fast_whole_lm_head", "fast")}
     for _ in range(3):  # interleave them so drift hits all alike
         for name in curves:
-            for r, ms in pass_ms(dec, args.context, rows, args.repeats, name != "stock", name == "fast").items():
+            for r, ms in pass_ms(dec, text, args.context, rows, args.repeats, name != "stock",
+                                 name == "fast").items():
                 curves[name][r].append(ms)
     curve = {name: {r: statistics.median(v) for r, v in c.items()} for name, c in curves.items()}
     print("| new tokens M | stock ms | fast, whole lm_head ms | fast ms | fast / fast(M=1) |")
@@ -120,7 +138,7 @@ def main() -> None:
     scaling = {}
     for n in sorted({1, threads}):
         torch.set_num_threads(n)
-        scaling[n] = pass_ms(dec, args.context, [1, 8], args.repeats, True)
+        scaling[n] = pass_ms(dec, text, args.context, [1, 8], args.repeats, True)
     torch.set_num_threads(threads)
     print("threads:", json.dumps(scaling))
 

@@ -734,14 +734,23 @@ static const ptile_fn PTILES[13] = {0, ptile1, ptile2, ptile3, ptile4, ptile5, p
 int screen_pairs(void) { return SCREEN_PAIRS; }
 
 /* the kernel's sum for one output: tile()'s lane, one multiply-add per input in order from 0 */
-static inline float kernel_dot(const float *w, const float *x, int64_t n) {
-    float a = 0.0f;
 #if defined(__FMA__) || defined(__AVX512F__)  /* maddw and madd fuse exactly then */
-    for (int64_t i = 0; i < n; i++) a = fmaf(w[i], x[i], a);
+#define KERNEL_MADD(a, w, x) fmaf(w, x, a)
 #else
-    for (int64_t i = 0; i < n; i++) a = a + w[i] * x[i];
+#define KERNEL_MADD(a, w, x) ((a) + (w) * (x))
 #endif
-    return a;
+/* v[k] = the kernel's sum for output o[k], k < n <= 8: tile()'s lane, one multiply-add per input in order from 0;
+   eight outputs side by side, so eight independent chains run at once */
+static void kernel_dots(const float *W, const int64_t *o, int n, const float *x, int64_t in_f, float *v) {
+    const float *w[8];
+    float a[8];
+    for (int k = 0; k < 8; k++) {
+        w[k] = W + o[k < n ? k : n - 1] * in_f;
+        a[k] = 0.0f;
+    }
+    for (int64_t i = 0; i < in_f; i++)
+        for (int k = 0; k < 8; k++) a[k] = KERNEL_MADD(a[k], w[k][i], x[i]);
+    for (int k = 0; k < n; k++) v[k] = a[k];
 }
 
 /* max over o in lo .. hi - 1 of a[o] - nx C[o] (-inf for none; NaNs are skipped) */
@@ -767,6 +776,7 @@ static float lower_max(const float *a, const float *C, float nx, int64_t lo, int
     return top;
 }
 
+#define SCREEN_CAP 512  /* candidates per thread and row beyond which the whole product is cheaper */
 void screen_argmax(const int8_t *Q, const float *S, const float *C, double n_max, double w_max,
                    const float *W, const float *X,
                    int64_t out_f, int64_t in_f, int64_t M, float *A, float *lo_all, float *best_all,
@@ -839,8 +849,8 @@ void screen_argmax(const int8_t *Q, const float *S, const float *C, double n_max
             thr -= extra[m];  /* a + nx C + extra >= thr, as a + nx C >= thr - extra */
             const float *a = A + m * out_f;
             float best = -INFINITY;
-            int64_t at = -1, count = 0;
-            for (int64_t o0 = o_lo; o0 < o_hi && at > -2; o0 += 8) {
+            int64_t at = -1, count = 0, cand[SCREEN_CAP];
+            for (int64_t o0 = o_lo; o0 < o_hi && count <= SCREEN_CAP; o0 += 8) {
                 /* the 8 outputs from o0 that reach the threshold, as bits */
                 unsigned bits = 0;
 #ifdef __AVX2__
@@ -851,14 +861,17 @@ void screen_argmax(const int8_t *Q, const float *S, const float *C, double n_max
                 } else
 #endif
                     for (int64_t o = o0; o < o0 + 8 && o < o_hi; o++) bits |= (a[o] + nx[m] * C[o] >= thr) << (o - o0);
-                for (; bits; bits &= bits - 1) {
-                    const int64_t o = o0 + __builtin_ctz(bits);
-                    const float v = kernel_dot(W + o * in_f, X + m * in_f, in_f);
-                    if (!isfinite(v) || ++count > (o_hi - o_lo) / 64 + 64) {  /* the caller's whole product: */
-                        at = -2;                         /* NaN / inf as torch orders them, or too many to sum */
-                        break;
-                    }
-                    if (at < 0 || v > best) { best = v; at = o; }
+                for (; bits && count <= SCREEN_CAP; bits &= bits - 1, count++)
+                    if (count < SCREEN_CAP) cand[count] = o0 + __builtin_ctz(bits);
+            }
+            if (count > SCREEN_CAP) at = -2;  /* too many to sum one by one: the caller's whole product */
+            for (int64_t k0 = 0; k0 < count && at > -2; k0 += 8) {
+                const int n = count - k0 < 8 ? (int)(count - k0) : 8;
+                float v[8];
+                kernel_dots(W, cand + k0, n, X + m * in_f, in_f, v);
+                for (int k = 0; k < n; k++) {
+                    if (!isfinite(v[k])) { at = -2; break; }  /* NaN / inf: the caller, as torch orders them */
+                    if (at < 0 || v[k] > best) { best = v[k]; at = cand[k0 + k]; }
                 }
             }
             best_all[t * M + m] = best;
