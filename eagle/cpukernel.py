@@ -662,6 +662,7 @@ static inline __attribute__((always_inline)) void qtile(const int8_t *Q, const f
         vw b[NV];
         for (int j = 0; j < NV; j++) b[j] = (vw){0};
         for (; i + 1 < in_f; i += 2) {
+            if (ahead) __builtin_prefetch(ahead + i * NB, 0, 2);  /* the next block: a line per two inputs */
             const vw x0 = splatw(X[i]), x1 = splatw(X[i + 1]);
             for (int j = 0; j < NV; j++) {
                 a[0][j] = maddw(a[0][j], loadq(Q + i * NB + j * (NB / NV)), x0);
@@ -684,7 +685,7 @@ static inline __attribute__((always_inline)) void qtile(const int8_t *Q, const f
 
 #define QTILE(R) static __attribute__((noinline)) void qtile##R(const int8_t *Q, const float *X, int64_t in_f, \
                                                                  float *acc, const int8_t *ahead) { \
-    qtile(Q, X, in_f, R < RMAX ? R : RMAX, acc, R >= PREFETCH_FROM ? ahead : 0); }
+    qtile(Q, X, in_f, R < RMAX ? R : RMAX, acc, ahead); }
 QTILE(1) QTILE(2) QTILE(3) QTILE(4) QTILE(5) QTILE(6) QTILE(7) QTILE(8) QTILE(9) QTILE(10) QTILE(11) QTILE(12)
 #undef QTILE
 typedef void (*qtile_fn)(const int8_t *, const float *, int64_t, float *, const int8_t *);
@@ -702,7 +703,9 @@ static inline __attribute__((always_inline)) void ptile(const int8_t *Q, const i
     __m512i a[RMAX][2];
     for (int r = 0; r < R; r++) a[r][0] = a[r][1] = _mm512_setzero_si512();
     for (int64_t k = 0; k < in_f / 2; k++) {
-        if (ahead) __builtin_prefetch(ahead + k * 2 * NB, 0, 2);  /* the next block: one line per input pair */
+        /* the next block, one line per input pair, from one row on: without it a one-row call read the int8
+           weights at 2/3 of the float kernel's speed (measured: 1.9 against 2.7 ms for SmolLM2's lm_head) */
+        if (ahead) __builtin_prefetch(ahead + k * 2 * NB, 0, 2);
         const __m512i w0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(Q + k * 2 * NB)));
         const __m512i w1 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(Q + k * 2 * NB + NB)));
         for (int r = 0; r < R; r++) {
@@ -720,7 +723,7 @@ static inline __attribute__((always_inline)) void ptile(const int8_t *Q, const i
 }
 #define PTILE(R) static __attribute__((noinline)) void ptile##R(const int8_t *Q, const int16_t *Xq, int64_t in_f, \
                                                                  float *acc, const int8_t *ahead) { \
-    ptile(Q, Xq, in_f, R < RMAX ? R : RMAX, acc, R >= PREFETCH_FROM ? ahead : 0); }
+    ptile(Q, Xq, in_f, R < RMAX ? R : RMAX, acc, ahead); }
 PTILE(1) PTILE(2) PTILE(3) PTILE(4) PTILE(5) PTILE(6) PTILE(7) PTILE(8) PTILE(9) PTILE(10) PTILE(11) PTILE(12)
 #undef PTILE
 typedef void (*ptile_fn)(const int8_t *, const int16_t *, int64_t, float *, const int8_t *);
