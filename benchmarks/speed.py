@@ -117,7 +117,7 @@ def main() -> None:
     weight_bytes = sum(p.numel() * p.element_size() for p in target.model.parameters())
     # a greedy token through the int8 screen reads the lm_head's int8 copy instead (a quarter of its bytes)
     lm = target.lm_head.weight
-    screened_bytes = weight_bytes - lm.numel() * (lm.element_size() - 1) if dec._screen else weight_bytes
+    screened_bytes = weight_bytes - lm.numel() * (lm.element_size() - 1) if dec.screens_greedy_tokens else weight_bytes
     bw = bandwidth_gb_s()
     rows = [1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32]
     text = real_text(dec, args.data, args.context + max(rows))

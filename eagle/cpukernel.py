@@ -637,7 +637,7 @@ void decoder_layer(const float *X, int64_t M, int64_t hid, const float *Wn1, flo
    3. L[o] of the candidates only, from W's float32 rows [out, in], summed as the product kernel sums.
    Y[m] is then the argmax of the kernel's logits, the first index among equal values; -1 where the caller must
    compute the whole row (a NaN or infinity in x or among the candidates' logits, logits that could overflow, or
-   more candidates than are worth summing one by one). n_max / w_max: the largest |s q| / |w| of an output.
+   more candidates than are worth summing one by one); the return value counts those rows. n_max / w_max: the largest |s q| / |w| of an output.
    A is scratch [M, out]; lo_all [nthreads M], best_all [nthreads M + 3 M] floats; at_all [nthreads M]; Xq [M, in]. */
 /* sizeof(vw) / 4 int8 weights as floats (exactly) */
 static inline vw loadq(const int8_t *p) {
@@ -780,7 +780,7 @@ static float lower_max(const float *a, const float *C, float nx, int64_t lo, int
 }
 
 #define SCREEN_CAP 512  /* candidates per thread and row beyond which the whole product is cheaper */
-void screen_argmax(const int8_t *Q, const float *S, const float *C, double n_max, double w_max,
+int64_t screen_argmax(const int8_t *Q, const float *S, const float *C, double n_max, double w_max,
                    const float *W, const float *X,
                    int64_t out_f, int64_t in_f, int64_t M, float *A, float *lo_all, float *best_all,
                    int64_t *at_all, int16_t *Xq, int64_t *Y, int nthreads) {
@@ -881,6 +881,7 @@ void screen_argmax(const int8_t *Q, const float *S, const float *C, double n_max
             at_all[t * M + m] = at;
         }
     }
+    int64_t left = 0;  /* rows left to the caller */
     for (int64_t m = 0; m < M; m++) {  /* threads hold ascending ranges of outputs: a tie keeps the earlier */
         float best = -INFINITY;
         int64_t at = -1;
@@ -890,7 +891,9 @@ void screen_argmax(const int8_t *Q, const float *S, const float *C, double n_max
             else if (o >= 0 && (at < 0 || best_all[k * M + m] > best)) { best = best_all[k * M + m]; at = o; }
         }
         Y[m] = at < 0 ? -1 : at;
+        left += at < 0;
     }
+    return left;
 }
 """
 
@@ -950,9 +953,10 @@ def load(path: Path) -> ctypes.CDLL:
                                   vp, vp, vp, i64, vp, vp, ctypes.c_int]
     lib.screen_argmax.argtypes = [vp, vp, vp, ctypes.c_double, ctypes.c_double, vp, vp, i64, i64, i64, vp, vp,
                                   vp, vp, vp, vp, ctypes.c_int]
+    lib.screen_argmax.restype = i64
     lib.screen_pairs.argtypes, lib.screen_pairs.restype = [], ctypes.c_int
     for fn in (lib.rows_linear, lib.rows_gated, lib.rms_norm, lib.rope, lib.attend, lib.attention_block,
-               lib.decoder_layer, lib.screen_argmax):
+               lib.decoder_layer):
         fn.restype = None
     return lib
 
@@ -988,33 +992,44 @@ def supports(weight: torch.Tensor) -> bool:
 PACK = 32  # outputs per packed block (NB in the C source)
 
 
-def pack(weight: torch.Tensor) -> torch.Tensor:
+def pack(weight: torch.Tensor, pairs: bool = False) -> torch.Tensor:
     """The product kernels' layout of a weight [out, in]: [ceil(out / PACK), in, PACK], block b holding outputs
-    b * PACK .. b * PACK + PACK - 1 side by side for each input, zero rows padding the last block."""
+    b * PACK .. b * PACK + PACK - 1 side by side for each input, zero rows padding the last block. With `pairs`
+    (the VNNI screen's int8 weights): [ceil(out / PACK), in / 2, PACK, 2], each output's two inputs of a pair side
+    by side."""
     w = weight.detach()
     out_f, in_f = w.shape
     padded = -(-out_f // PACK) * PACK
     if padded != out_f:
         w = torch.cat([w, w.new_zeros(padded - out_f, in_f)])
+    if pairs:
+        return w.reshape(padded // PACK, PACK, in_f // 2, 2).permute(0, 2, 1, 3).contiguous()
     return w.reshape(padded // PACK, PACK, in_f).transpose(1, 2).contiguous()  # reshape: w may be a transpose
+
+
+def _kept(weight: torch.Tensor, name: str, make, *key):
+    """`make(weight)`, made on first use and kept on the tensor itself under `name` until the weight changes in
+    place (an optimizer step) or moves, or `key` changes."""
+    try:
+        version = weight._version
+    except RuntimeError:  # an inference-mode tensor has no version counter; it cannot change outside that mode
+        version = -1
+    hit = weight.__dict__.get(name)
+    if hit is None or hit[0] != (version, weight.data_ptr(), *key):
+        hit = weight.__dict__[name] = ((version, weight.data_ptr(), *key), make(weight))
+    return hit[1]
 
 
 def packed(weight: torch.Tensor) -> int:
     """Address of `weight` in the kernels' layout (`pack`), made on first use and kept on the tensor itself (twice
     the weight's memory) until the weight changes in place (an optimizer step) or moves."""
-    try:
-        version = weight._version
-    except RuntimeError:  # an inference-mode tensor has no version counter; it cannot change outside that mode
-        version = -1
-    hit = weight.__dict__.get("_eagle_packed")
-    if hit is None or hit[0] != version or hit[1] != weight.data_ptr():
-        hit = weight.__dict__["_eagle_packed"] = (version, weight.data_ptr(), pack(weight))
-    return hit[2].data_ptr()
+    return _kept(weight, "_eagle_packed", pack).data_ptr()
 
 
 def unpack(weight: torch.Tensor) -> None:
-    """Drop the packed copy `packed` keeps on `weight` (its memory)."""
+    """Drop the copies the kernels keep on `weight` (`packed`, `screen_tables`), and their memory."""
     weight.__dict__.pop("_eagle_packed", None)
+    weight.__dict__.pop("_eagle_screen", None)
 
 
 def rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -1085,16 +1100,9 @@ def screen_tables(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tor
     Numerical Algorithms, 3.1; underflow is the C code's absolute term). C is that sum, from float64, times 1.001
     for the float32 arithmetic of the test itself, rounded up to float32. None for a weight with a NaN or an
     infinity. Made on first use and kept on the weight like `packed`'s copy (a quarter of its memory more)."""
-    try:
-        version = weight._version
-    except RuntimeError:
-        version = -1
     pairs = bool((_lib or library()).screen_pairs())
-    hit = weight.__dict__.get("_eagle_screen")
-    if hit is None or hit[:3] != (version, weight.data_ptr(), pairs):
-        tables = _screen_tables(weight.detach(), pairs) if bool(torch.isfinite(weight).all()) else None
-        hit = weight.__dict__["_eagle_screen"] = (version, weight.data_ptr(), pairs, tables)
-    return hit[3]
+    return _kept(weight, "_eagle_screen",
+                 lambda w: _screen_tables(w.detach(), pairs) if bool(torch.isfinite(w).all()) else None, pairs)
 
 
 def _screen_tables(weight: torch.Tensor, pairs: bool) -> tuple:
@@ -1115,13 +1123,7 @@ def _screen_tables(weight: torch.Tensor, pairs: bool) -> tuple:
         c[lo:lo + 4096] = torch.where(c32.double() < cl, torch.nextafter(c32, torch.tensor(float("inf"))), c32)
         s[lo:lo + 4096], q8[lo:lo + 4096] = sl, q.to(torch.int8)
         n_max, w_max = max(n_max, float(sq.norm(dim=1).max())), max(w_max, float(w.norm(dim=1).max()))
-    if pairs:
-        padded = -(-out_f // PACK) * PACK
-        q8 = torch.cat([q8, q8.new_zeros(padded - out_f, in_f)])
-        q8 = q8.view(padded // PACK, PACK, in_f // 2, 2).permute(0, 2, 1, 3).contiguous()
-    else:
-        q8 = pack(q8)
-    return q8, s, c, n_max, w_max
+    return pack(q8, pairs), s, c, n_max, w_max
 
 
 def screen_argmax(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -1143,11 +1145,11 @@ def screen_argmax(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     xq = torch.empty(m * in_f, dtype=torch.int16)
     y = torch.empty(m, dtype=torch.int64)
     lo = a[m * out_f:]
-    (_lib or library()).screen_argmax(q.data_ptr(), s.data_ptr(), c.data_ptr(), n_max, w_max, weight.data_ptr(),
-                                      x.data_ptr(), out_f, in_f, m, a.data_ptr(), lo.data_ptr(),
-                                      lo[threads * m:].data_ptr(), at.data_ptr(), xq.data_ptr(), y.data_ptr(),
-                                      threads)
-    if (y < 0).any():  # rows the screen left: their whole product, argmax as torch orders NaNs
+    left = (_lib or library()).screen_argmax(q.data_ptr(), s.data_ptr(), c.data_ptr(), n_max, w_max,
+                                             weight.data_ptr(), x.data_ptr(), out_f, in_f, m, a.data_ptr(),
+                                             lo.data_ptr(), lo[threads * m:].data_ptr(), at.data_ptr(),
+                                             xq.data_ptr(), y.data_ptr(), threads)
+    if left:  # rows the screen left: their whole product, argmax as torch orders NaNs
         bad = (y < 0).nonzero().view(-1)
         y[bad] = rows_linear(x.reshape(m, in_f)[bad], weight, None).argmax(-1)
     return y.view(x.shape[:-1])

@@ -239,6 +239,12 @@ class SpeculativeDecoder:
                 return j
         return None
 
+    @property
+    def screens_greedy_tokens(self) -> bool:
+        """Whether greedy tokens go through the int8 screen (`greedy_tokens`) where the lm_head's layout allows:
+        set by `use_fast_path`."""
+        return self._screen
+
     def greedy_tokens(self, feats: torch.Tensor, screen: bool = True) -> torch.Tensor:
         """The target's greedy tokens for features [..., hidden], as decoding takes them: with `screen` and the fast
         path on, through the int8 screen where the fast path multiplies this many rows by the lm_head in the kernel
