@@ -637,7 +637,8 @@ void decoder_layer(const float *X, int64_t M, int64_t hid, const float *Wn1, flo
    3. L[o] of the candidates only, from W's float32 rows [out, in], summed as the product kernel sums.
    Y[m] is then the argmax of the kernel's logits, the first index among equal values; -1 where the caller must
    compute the whole row (a NaN or infinity in x or among the candidates' logits, logits that could overflow, or
-   more candidates than are worth summing one by one); the return value counts those rows. n_max / w_max: the largest |s q| / |w| of an output.
+   more candidates than are worth summing one by one); the return value counts those rows.
+   n_max / w_max: the largest |s q| / |w| of an output.
    A is scratch [M, out]; lo_all [nthreads M], best_all [nthreads M + 3 M] floats; at_all [nthreads M]; Xq [M, in]. */
 /* sizeof(vw) / 4 int8 weights as floats (exactly) */
 static inline vw loadq(const int8_t *p) {
