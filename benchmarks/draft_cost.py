@@ -1,5 +1,7 @@
-"""What drafting costs against a target step: ms per drafting round and per head step, with the head's attention
-on its C path (eagle.head: rotary embedding and grouped attention in C) and on torch's, interleaved.
+"""What drafting costs against a target step: ms per drafting round and per head step, with each head layer in one
+C call (eagle.head: norms, products, rotary embedding, cache write and attention), with only the attention in C
+(rotary embedding and grouped attention; the rest torch operations around the product kernel), and on torch's
+attention, interleaved.
 
     .venv/bin/python benchmarks/draft_cost.py --draft runs/demo/head --k 3 --dynamic 2,3,4 4,3,8 [--cold]
 
@@ -23,7 +25,7 @@ from eagle import load_target
 from infer import SpeculativeDecoder
 from infer.decoder import DecodeConfig
 from infer.proposer import EagleProposer
-from speed import pass_ms  # benchmarks/speed.py: one target pass after a cache of `context` tokens
+from speed import pass_ms, real_text  # benchmarks/speed.py: one target pass after `context` tokens of real text
 
 
 def main() -> None:
@@ -33,6 +35,8 @@ def main() -> None:
     ap.add_argument("--k", nargs="*", type=int, default=[3], help="chain lengths")
     ap.add_argument("--dynamic", nargs="*", default=["4,3,8"], help="dynamic trees as top_k,depth,total_tokens")
     ap.add_argument("--context", type=int, default=256)
+    ap.add_argument("--data", default="../shared/evaldata/mt_bench.jsonl",
+                    help="prompts whose greedy replies make the text the head reads (speed.py's `real_text`)")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--cold", action="store_true",
@@ -43,8 +47,8 @@ def main() -> None:
     dec = SpeculativeDecoder.from_pretrained(target, args.draft)
     dec.use_fast_path(True)
     head = dec.head
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(100, 20000, (1, args.context + 1), generator=g)
+    text = real_text(dec, args.data, args.context + 1)
+    ids = torch.tensor([text])
     with torch.inference_mode():
         feats = target.features(ids[:, :-1], position_ids=torch.arange(args.context)[None])
     settings = {f"chain k = {k}": DecodeConfig(mode="chain", num_speculative_tokens=k) for k in args.k}
@@ -66,8 +70,12 @@ def main() -> None:
             pos = torch.tensor([[committed]])
             head.logits(head(feats[:, -1:], ids[:, -1:], pos, cache=proposer.cache)[0])
 
-    stock_fits = head_module._kernel_fits
-    paths = {"C": stock_fits, "torch": lambda x, head_dim: False}
+    stock_fits, stock_one_call = head_module._kernel_fits, head_module.DecoderLayer._in_one_call
+
+    def never(*args) -> bool:
+        return False
+
+    paths = {"one call": (stock_fits, stock_one_call), "attention in C": (stock_fits, never), "torch": (never, never)}
     jobs = {name: (lambda cfg=cfg: one_round(cfg)) for name, cfg in settings.items()}
     jobs["one head step"] = head_step
     times: dict[tuple[str, str], list[float]] = {(p, j): [] for p in paths for j in jobs}
@@ -75,7 +83,7 @@ def main() -> None:
     target_ms: list[float] = []
     for rnd in range(args.rounds):
         for path in (list(paths) if rnd % 2 == 0 else list(paths)[::-1]):
-            head_module._kernel_fits = paths[path]
+            head_module._kernel_fits, head_module.DecoderLayer._in_one_call = paths[path]
             for name, fn in jobs.items():
                 fn()  # warm-up
                 for _ in range(args.repeats):
@@ -84,17 +92,16 @@ def main() -> None:
                     t0 = time.perf_counter()
                     fn()
                     times[(path, name)].append((time.perf_counter() - t0) * 1e3)
-        head_module._kernel_fits = stock_fits
-        target_ms.append(pass_ms(dec, args.context, [1], args.repeats, fast=True)[1])
+        head_module._kernel_fits, head_module.DecoderLayer._in_one_call = stock_fits, stock_one_call
+        target_ms.append(pass_ms(dec, text, args.context, [1], args.repeats, fast=True)[1])
     step = statistics.median(target_ms)
     print(f"threads {torch.get_num_threads()}, context {args.context}; median ms over {args.rounds} x {args.repeats}"
           + ("; caches flushed before each call" if args.cold else ""))
-    print("| drafting | head attention in C | in torch |")
-    print("|---|---|---|")
+    print("| drafting | " + " | ".join(paths) + " |")
+    print("|---" * (len(paths) + 1) + "|")
     for name in jobs:
-        c, t = (statistics.median(times[(p, name)]) for p in paths)
-        print(f"| {name} | {c:.2f} | {t:.2f} |")
-    c_step = statistics.median(times[("C", "one head step")])
+        print(f"| {name} | " + " | ".join(f"{statistics.median(times[(p, name)]):.2f}" for p in paths) + " |")
+    c_step = statistics.median(times[("one call", "one head step")])
     print(f"target step (one token, fast path): {step:.1f} ms; one head step / target step: {c_step / step:.3f}")
 
 

@@ -28,7 +28,7 @@ import torch
 
 from eagle import attention, fastlinear, load_target
 from infer import SpeculativeDecoder
-from speed import pass_ms  # benchmarks/speed.py: one target pass after a cache of `context` tokens
+from speed import pass_ms, real_text  # benchmarks/speed.py: one target pass after `context` tokens of real text
 
 
 def module_at(rev: str, path: str):
@@ -70,12 +70,15 @@ def main() -> None:
     ap.add_argument("--against", default="HEAD")
     ap.add_argument("--rows", nargs="+", type=int, default=[1, 4, 8, 12, 16])
     ap.add_argument("--context", type=int, default=256)
+    ap.add_argument("--data", default="../shared/evaldata/mt_bench.jsonl",
+                    help="prompts whose greedy replies make the passes' text (speed.py's `real_text`)")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--passes", type=int, default=3, help="timed passes per variant, row count and round")
     ap.add_argument("--kernel", action="store_true", help="the revision's C kernels too (else this tree's for all)")
     args = ap.parse_args()
     target = load_target(args.target)
     dec = SpeculativeDecoder(target, None)
+    text = real_text(dec, args.data, args.context + max(args.rows))
     dec.use_fast_path(True)  # gqa attention on, and the plan decoding uses (calibrated once per machine)
     plan = fastlinear.load_or_calibrate(target.model, run=dec._calibration_pass)
     old = fastlinear_at(args.against, kernel=args.kernel)
@@ -96,7 +99,7 @@ def main() -> None:
             if unfused:
                 unfuse_layers(target.model)
             # pass_ms keeps these patches: use_fast_path(True) patches only a model that has none
-            for rows, ms in pass_ms(dec, args.context, args.rows, args.passes, fast=True).items():
+            for rows, ms in pass_ms(dec, text, args.context, args.rows, args.passes, fast=True).items():
                 times[(name, rows)].append(ms)
     print(f"threads {torch.get_num_threads()}, context {args.context}; median over {args.rounds} rounds of "
           f"each round's median ms per pass ({args.passes} passes)")
