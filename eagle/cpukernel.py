@@ -127,23 +127,46 @@ typedef void (*tile_fn)(const float *, const float *, int64_t, float *, const fl
 static const tile_fn TILES[13] = {0, tile1, tile2, tile3, tile4, tile5, tile6, tile7, tile8, tile9, tile10, tile11,
                                   tile12};
 
-/* One row against two blocks at once (two blocks of one weight, or a gate and an up block): a single row's tile has
-   only NV independent FMA chains, too few to keep both FMA units busy; two blocks double them. The sums are
-   tile()'s, bit for bit. */
-static __attribute__((noinline)) void tile1x2(const float *Pa, const float *Pb, const float *X, int64_t in_f,
-                                               float *acc_a, float *acc_b) {
-    vw a[NV], b[NV];
-    for (int j = 0; j < NV; j++) a[j] = b[j] = (vw){0};
+/* A few rows against two blocks at once (two blocks of one weight, or a gate and an up block). A one-row tile has
+   only NV independent FMA chains, too few to keep both FMA units busy, and a tile of 1-3 rows reads one stream of
+   weights, too few for the hardware prefetcher to keep memory busy (these tiles do not prefetch in software): two
+   blocks double both. The sums are tile()'s, bit for bit. */
+#ifdef __AVX512F__
+#define PAIR_RMAX 3  /* 3 rows x 2 blocks x 2 vectors = 12 accumulators */
+#else
+#define PAIR_RMAX 1  /* 1 row x 2 blocks x 4 vectors = 8 of the 16 registers */
+#endif
+static inline __attribute__((always_inline)) void tile_pair(const float *Pa, const float *Pb, const float *X,
+                                                             int64_t in_f, int R, float *acc_a, float *acc_b) {
+    vw a[PAIR_RMAX][NV], b[PAIR_RMAX][NV];
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < NV; j++) a[r][j] = b[r][j] = (vw){0};
     for (int64_t i = 0; i < in_f; i++) {
-        const vw x = splatw(X[i]);
+        vw wa[NV], wb[NV];
         for (int j = 0; j < NV; j++) {
-            a[j] = maddw(a[j], loadw(Pa + i * NB + j * (NB / NV)), x);
-            b[j] = maddw(b[j], loadw(Pb + i * NB + j * (NB / NV)), x);
+            wa[j] = loadw(Pa + i * NB + j * (NB / NV));
+            wb[j] = loadw(Pb + i * NB + j * (NB / NV));
+        }
+        for (int r = 0; r < R; r++) {
+            const vw x = splatw(X[r * in_f + i]);
+            for (int j = 0; j < NV; j++) {
+                a[r][j] = maddw(a[r][j], wa[j], x);
+                b[r][j] = maddw(b[r][j], wb[j], x);
+            }
         }
     }
-    memcpy(acc_a, a, sizeof a);
-    memcpy(acc_b, b, sizeof b);
+    for (int r = 0; r < R; r++) {
+        memcpy(acc_a + r * NB, a[r], sizeof a[r]);
+        memcpy(acc_b + r * NB, b[r], sizeof b[r]);
+    }
 }
+#define PAIR(R) static __attribute__((noinline)) void pair##R(const float *Pa, const float *Pb, const float *X, \
+                                                               int64_t in_f, float *acc_a, float *acc_b) { \
+    tile_pair(Pa, Pb, X, in_f, R < PAIR_RMAX ? R : PAIR_RMAX, acc_a, acc_b); }
+PAIR(1) PAIR(2) PAIR(3) PAIR(4) PAIR(5) PAIR(6)
+#undef PAIR
+typedef void (*pair_fn)(const float *, const float *, const float *, int64_t, float *, float *);
+static const pair_fn PAIRS[7] = {0, pair1, pair2, pair3, pair4, pair5, pair6};  /* called up to PAIR_RMAX rows */
 
 /* rows per tile for the `left` rows still to do: all of them up to RMAX, else halves, else RMAX */
 static inline int tile_rows(int64_t left) {
@@ -177,10 +200,10 @@ static void linear_blocks(const float *P, const float *X, const float *B, float 
                           int64_t lo, int64_t hi, int64_t out_f, int64_t in_f, int64_t M) {
     float acc[RMAX * NB];
     for (int64_t b = lo; b < hi;) {
-        if (M == 1 && b + 1 < hi) {
-            tile1x2(P + b * in_f * NB, P + (b + 1) * in_f * NB, X, in_f, acc, acc + NB);
-            store_block(Y, acc, B, b, out_f, 0, 1);
-            store_block(Y, acc + NB, B, b + 1, out_f, 0, 1);
+        if (M <= PAIR_RMAX && b + 1 < hi) {
+            PAIRS[M](P + b * in_f * NB, P + (b + 1) * in_f * NB, X, in_f, acc, acc + PAIR_RMAX * NB);
+            store_block(Y, acc, B, b, out_f, 0, (int)M);
+            store_block(Y, acc + PAIR_RMAX * NB, B, b + 1, out_f, 0, (int)M);
             b += 2;
             continue;
         }
@@ -249,8 +272,8 @@ static void gated_chunk(const float *G, const float *U, const float *X, float *Y
         int t = 0;
         for (int64_t m0 = 0; m0 < M; t++) {
             const int R = tile_rows(M - m0);
-            if (R == 1) {
-                tile1x2(G + b * in_f * NB, U + b * in_f * NB, X + m0 * in_f, in_f, g, u);
+            if (R <= PAIR_RMAX) {
+                PAIRS[R](G + b * in_f * NB, U + b * in_f * NB, X + m0 * in_f, in_f, g, u);
             } else {
                 int ng, nu;
                 const float *ag = ahead_share(b + 1 < nblk ? G + (b + 1) * in_f * NB : 0, in_f, t, T, &ng);
@@ -608,7 +631,8 @@ void rms_norm(const float *X, const float *W, float *Y, int64_t M, int64_t n, fl
 /* A Llama-style decoder layer for M rows of one sequence, in one call:
        h = x + attention(rms_norm(x)),  y = h + down(silu(gate(rms_norm(h))) * up(rms_norm(h)))
    with the calls above (rms_norm, attention_block, rows_gated, rows_linear) and plain float sums, so the results
-   are those of the separate calls bit for bit. work holds M (3 hid + inter + (2 H + 2 H_kv) D) floats. */
+   are those of the separate calls bit for bit. Wn1 NULL: no input norm (an EAGLE head's first layer reads its fc
+   output directly). work holds M (3 hid + inter + (2 H + 2 H_kv) D) floats. */
 void decoder_layer(const float *X, int64_t M, int64_t hid, const float *Wn1, float eps1, const float *Wn2, float eps2,
                    const float *Wq, const float *Bq, const float *Wk, const float *Bk,
                    const float *Wv, const float *Bv, const float *Wo, const float *Bo,
@@ -618,8 +642,8 @@ void decoder_layer(const float *X, int64_t M, int64_t hid, const float *Wn1, flo
                    const float *G, const float *U, const float *Dn, int64_t inter,
                    float *work, float *Y, int nthreads) {
     float *N = work, *Hs = N + M * hid, *T = Hs + M * hid, *Mid = T + M * hid, *aw = Mid + M * inter;
-    rms_norm(X, Wn1, N, M, hid, eps1);
-    attention_block(N, M, hid, Wq, Bq, Wk, Bk, Wv, Bv, Wo, Bo, H, Hkv, D, cos, sin, K, V, kv_sh, past,
+    if (Wn1) rms_norm(X, Wn1, N, M, hid, eps1);
+    attention_block(Wn1 ? N : X, M, hid, Wq, Bq, Wk, Bk, Wv, Bv, Wo, Bo, H, Hkv, D, cos, sin, K, V, kv_sh, past,
                     mask, mask_kind, mask_sm, scale, aw, T, nthreads);
     for (int64_t i = 0; i < M * hid; i++) Hs[i] = X[i] + T[i];
     rms_norm(Hs, Wn2, N, M, hid, eps2);
@@ -1251,14 +1275,15 @@ def decoder_layer(x: torch.Tensor, norms: tuple, projs: tuple, mlp: tuple, heads
                   past: int, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
     """A Llama-style decoder layer's forward for x [1, M, hidden] in one C call: `rms_norm`, `attention_block`,
     the residual sum, `rms_norm`, `rows_gated`, `rows_linear`, the residual sum, bit for bit. norms = (input norm
-    weight, eps, post-attention norm weight, eps); mlp = (gate, up, down weights); the rest as `attention_block`."""
+    weight or None for no input norm, eps, post-attention norm weight, eps); mlp = (gate, up, down weights); the rest
+    as `attention_block`."""
     m, hid = x.shape[1], x.shape[2]
     inter = mlp[0].shape[0]
     y = x.new_empty(1, m, hid)
     work = _scratch(m * (3 * hid + inter + (2 * heads + 2 * kv_heads) * head_dim))
     kind, mask_sm = _mask_rows(mask)
     (_lib or library()).decoder_layer(
-        x.data_ptr(), m, hid, norms[0].data_ptr(), norms[1], norms[2].data_ptr(), norms[3],
+        x.data_ptr(), m, hid, _ptr(norms[0]), norms[1], norms[2].data_ptr(), norms[3],
         *_projection_ptrs(projs), heads, kv_heads, head_dim, cos.data_ptr(), sin.data_ptr(),
         k_buf.data_ptr(), v_buf.data_ptr(), k_buf.stride(1), past, _ptr(mask), kind, mask_sm, scale,
         packed(mlp[0]), packed(mlp[1]), packed(mlp[2]), inter, work.data_ptr(), y.data_ptr(),
