@@ -197,3 +197,49 @@ def test_two_layer_head_cache_save_load_and_lossless_decoding(tmp_path):
     assert dec.generate(prompt, 32, mode="dynamic", top_k=3, depth=3, total_tokens=7).token_ids == base
     with pytest.raises(ValueError, match="num_layers=0"):
         EagleHead(HeadConfig.for_target(target, num_layers=0))
+
+
+@pytest.mark.skipif(not cpukernel.available(), reason="the C kernel does not build here")
+@pytest.mark.parametrize("num_layers", [1, 2])
+def test_head_layers_in_one_c_call_match_torch_when_drafting(monkeypatch, num_layers):
+    # with the fast path on, a drafting step runs each head layer in one C call (the first without an input
+    # norm): a prefill, a one-row step and a tree-masked step give torch's results, and the cache holds the same
+    from eagle import head as head_module
+    from eagle.fastlinear import BUCKETS, Plan, enable_fast_linear
+    from eagle.head import HeadCache
+
+    target = tiny_target(dtype=torch.float32, hidden=64)
+    head = tiny_head(target, num_layers=num_layers)
+    shapes = {f"{m.weight.shape[0]}x{m.weight.shape[1]}" for m in head.modules() if isinstance(m, torch.nn.Linear)}
+    enable_fast_linear(head, Plan(layouts={s: {b: "kernel" for b in BUCKETS} for s in shapes}))
+    g = torch.Generator().manual_seed(0)
+    feats, ids = torch.randn(1, 9, 64, generator=g), torch.randint(0, 96, (1, 9), generator=g)
+    tree_mask = torch.tensor([[True] * 8 + [True, False, False], [True] * 8 + [False, True, False],
+                              [True] * 8 + [True, False, True]])
+
+    def run() -> tuple[list[torch.Tensor], HeadCache]:
+        cache = HeadCache()
+        with torch.inference_mode():
+            out = [head(feats[:, :7], ids[:, :7], torch.arange(7)[None], cache=cache)]
+            out.append(head(feats[:, 7:8], ids[:, 7:8], torch.tensor([[7]]), cache=cache))
+            out.append(head(feats[:, 8:9].expand(1, 3, 64), ids[:, 8:9].expand(1, 3), torch.full((1, 3), 8),
+                            cache=cache, mask=tree_mask))
+        return out, cache
+
+    calls, original = [], head_module.DecoderLayer._forward_one_call
+
+    def counted(self, *args):
+        calls.append(1)
+        return original(self, *args)
+
+    monkeypatch.setattr(head_module.DecoderLayer, "_forward_one_call", counted)
+    fast, fast_cache = run()
+    assert len(calls) == 3 * num_layers  # every layer of every call took the one-call path
+    monkeypatch.setattr(head_module, "_kernel_fits", lambda x, head_dim: False)
+    slow, slow_cache = run()
+    assert len(calls) == 3 * num_layers
+    for got, want in zip(fast, slow):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for layer in range(num_layers):
+        torch.testing.assert_close(fast_cache.k[layer][:, :, :11], slow_cache.k[layer][:, :, :11])
+        torch.testing.assert_close(fast_cache.v[layer][:, :, :11], slow_cache.v[layer][:, :, :11])
