@@ -1,7 +1,5 @@
-"""What drafting costs against a target step: ms per drafting round and per head step, with each head layer in one
-C call (eagle.head: norms, products, rotary embedding, cache write and attention), with only the attention in C
-(rotary embedding and grouped attention; the rest torch operations around the product kernel), and on torch's
-attention, interleaved.
+"""What drafting costs against a target step: ms per drafting round and per head step, with the head's attention
+on its C path (eagle.head: rotary embedding and grouped attention in C) and on torch's, interleaved.
 
     .venv/bin/python benchmarks/draft_cost.py --draft runs/demo/head --k 3 --dynamic 2,3,4 4,3,8 [--cold]
 
@@ -70,12 +68,8 @@ def main() -> None:
             pos = torch.tensor([[committed]])
             head.logits(head(feats[:, -1:], ids[:, -1:], pos, cache=proposer.cache)[0])
 
-    stock_fits, stock_one_call = head_module._kernel_fits, head_module.DecoderLayer._in_one_call
-
-    def never(*args) -> bool:
-        return False
-
-    paths = {"one call": (stock_fits, stock_one_call), "attention in C": (stock_fits, never), "torch": (never, never)}
+    stock_fits = head_module._kernel_fits
+    paths = {"attention in C": stock_fits, "torch": lambda x, head_dim: False}
     jobs = {name: (lambda cfg=cfg: one_round(cfg)) for name, cfg in settings.items()}
     jobs["one head step"] = head_step
     times: dict[tuple[str, str], list[float]] = {(p, j): [] for p in paths for j in jobs}
@@ -83,7 +77,7 @@ def main() -> None:
     target_ms: list[float] = []
     for rnd in range(args.rounds):
         for path in (list(paths) if rnd % 2 == 0 else list(paths)[::-1]):
-            head_module._kernel_fits, head_module.DecoderLayer._in_one_call = paths[path]
+            head_module._kernel_fits = paths[path]
             for name, fn in jobs.items():
                 fn()  # warm-up
                 for _ in range(args.repeats):
@@ -92,7 +86,7 @@ def main() -> None:
                     t0 = time.perf_counter()
                     fn()
                     times[(path, name)].append((time.perf_counter() - t0) * 1e3)
-        head_module._kernel_fits, head_module.DecoderLayer._in_one_call = stock_fits, stock_one_call
+        head_module._kernel_fits = stock_fits
         target_ms.append(pass_ms(dec, text, args.context, [1], args.repeats, fast=True)[1])
     step = statistics.median(target_ms)
     print(f"threads {torch.get_num_threads()}, context {args.context}; median ms over {args.rounds} x {args.repeats}"
@@ -101,7 +95,7 @@ def main() -> None:
     print("|---" * (len(paths) + 1) + "|")
     for name in jobs:
         print(f"| {name} | " + " | ".join(f"{statistics.median(times[(p, name)]):.2f}" for p in paths) + " |")
-    c_step = statistics.median(times[("one call", "one head step")])
+    c_step = statistics.median(times[("attention in C", "one head step")])
     print(f"target step (one token, fast path): {step:.1f} ms; one head step / target step: {c_step / step:.3f}")
 
 

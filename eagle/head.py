@@ -20,7 +20,7 @@ from torch import nn
 
 from eagle import cpukernel
 from eagle.attention import MAX_ROWS as ATTENTION_ROWS
-from eagle.fastlinear import kernel_rows, linear_as
+from eagle.fastlinear import linear_as
 
 SHARED_PREFIXES = ("embed_tokens.", "lm_head.")
 
@@ -116,27 +116,18 @@ class HeadCache:
             self.k[layer] = torch.cat([old_k[:, :, :start], k], dim=2)
             self.v[layer] = torch.cat([old_v[:, :, :start], v], dim=2)
             return self.k[layer], self.v[layer]
-        kb, vb = self.reserve(layer, k, start, end)
-        kb[:, :, start:end] = k
-        vb[:, :, start:end] = v
-        return kb[:, :, :end], vb[:, :, :end]
-
-    def reserve(self, layer: int, like: torch.Tensor, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer `layer`'s whole key and value buffers [B, heads, capacity >= end, D] (B, heads, D and dtype of
-        `like`), grown if needed with the first `start` entries kept."""
-        while len(self.k) <= layer:
-            self.k.append(None)
-            self.v.append(None)
         buf = self.k[layer]
-        if buf is None or buf.shape[2] < end or buf.shape[0] != like.shape[0]:
+        if buf is None or buf.shape[2] < end or buf.shape[0] != k.shape[0]:
             cap = max(256, 1 << math.ceil(math.log2(end)))
-            nk = like.new_zeros(like.shape[0], like.shape[1], cap, like.shape[3])
+            nk = k.new_zeros(k.shape[0], k.shape[1], cap, k.shape[3])
             nv = torch.zeros_like(nk)
-            if buf is not None and buf.shape[0] == like.shape[0]:
+            if buf is not None and buf.shape[0] == k.shape[0]:
                 nk[:, :, :start] = buf[:, :, :start]
                 nv[:, :, :start] = self.v[layer][:, :, :start]
             self.k[layer], self.v[layer] = nk, nv
-        return self.k[layer], self.v[layer]
+        self.k[layer][:, :, start:end] = k
+        self.v[layer][:, :, start:end] = v
+        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
 
     def crop(self, n: int) -> None:
         self.length = min(self.length, n)
@@ -222,39 +213,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x, cos, sin, cache, layer, mask):
-        if cache is not None and self._in_one_call(x):
-            return self._forward_one_call(x, cos, sin, cache, layer, mask)
         a = x if self.input_layernorm is None else self.input_layernorm(x)
         h = x + self.self_attn(a, cos, sin, cache, layer, mask)
         return h + self.mlp(self.post_attention_layernorm(h))
-
-    def _projections(self) -> tuple[nn.Linear, ...]:
-        attn, mlp = self.self_attn, self.mlp
-        return attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj
-
-    def _in_one_call(self, x: torch.Tensor) -> bool:
-        """Drafting on the CPU with the fast path on: one sequence of a few float32 rows, and every product of the
-        layer planned on the packed kernel for that many rows."""
-        return (x.shape[0] == 1 and _kernel_fits(x, self.self_attn.hd)
-                and all(kernel_rows(p, x.shape[1]) and p.bias is None for p in self._projections()))
-
-    def _forward_one_call(self, x, cos, sin, cache: "HeadCache", layer: int, mask: torch.Tensor | None):
-        """The layer in one C call (`cpukernel.decoder_layer`: norms, products, rotary embedding, cache write,
-        attention, residual sums): a drafting step is a few rows, where each torch operation around the products
-        costs about as much as a small product."""
-        attn, T, past = self.self_attn, x.shape[1], cache.length
-        k_buf, v_buf = cache.reserve(layer, x.new_empty(1, attn.nkv, 0, attn.hd), past, past + T)
-        if mask is None and T > 1:
-            mask = torch.ones(T, past + T, dtype=torch.bool, device=x.device).tril(past)
-        if mask is not None:
-            mask = mask.reshape(1, 1, T, -1).contiguous()
-        norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
-        q, k, v, o, gate, up, down = (p.weight for p in self._projections())
-        return cpukernel.decoder_layer(
-            x.contiguous(), (None if norm1 is None else norm1.weight, 0.0 if norm1 is None else norm1.eps,
-                             norm2.weight, norm2.eps),
-            (q, None, k, None, v, None, o, None), (gate, up, down), attn.nh, attn.nkv, attn.hd,
-            cos[:, 0].contiguous(), sin[:, 0].contiguous(), k_buf, v_buf, past, mask, attn.hd ** -0.5)
 
 
 class EagleHead(nn.Module):
