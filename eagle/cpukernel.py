@@ -163,10 +163,10 @@ static inline __attribute__((always_inline)) void tile_pair(const float *Pa, con
 #define PAIR(R) static __attribute__((noinline)) void pair##R(const float *Pa, const float *Pb, const float *X, \
                                                                int64_t in_f, float *acc_a, float *acc_b) { \
     tile_pair(Pa, Pb, X, in_f, R < PAIR_RMAX ? R : PAIR_RMAX, acc_a, acc_b); }
-PAIR(1) PAIR(2) PAIR(3) PAIR(4) PAIR(5) PAIR(6)
+PAIR(1) PAIR(2) PAIR(3)
 #undef PAIR
 typedef void (*pair_fn)(const float *, const float *, const float *, int64_t, float *, float *);
-static const pair_fn PAIRS[7] = {0, pair1, pair2, pair3, pair4, pair5, pair6};  /* called up to PAIR_RMAX rows */
+static const pair_fn PAIRS[4] = {0, pair1, pair2, pair3};  /* called up to PAIR_RMAX (<= 3) rows */
 
 /* rows per tile for the `left` rows still to do: all of them up to RMAX, else halves, else RMAX */
 static inline int tile_rows(int64_t left) {
@@ -631,8 +631,7 @@ void rms_norm(const float *X, const float *W, float *Y, int64_t M, int64_t n, fl
 /* A Llama-style decoder layer for M rows of one sequence, in one call:
        h = x + attention(rms_norm(x)),  y = h + down(silu(gate(rms_norm(h))) * up(rms_norm(h)))
    with the calls above (rms_norm, attention_block, rows_gated, rows_linear) and plain float sums, so the results
-   are those of the separate calls bit for bit. Wn1 NULL: no input norm (an EAGLE head's first layer reads its fc
-   output directly). work holds M (3 hid + inter + (2 H + 2 H_kv) D) floats. */
+   are those of the separate calls bit for bit. work holds M (3 hid + inter + (2 H + 2 H_kv) D) floats. */
 void decoder_layer(const float *X, int64_t M, int64_t hid, const float *Wn1, float eps1, const float *Wn2, float eps2,
                    const float *Wq, const float *Bq, const float *Wk, const float *Bk,
                    const float *Wv, const float *Bv, const float *Wo, const float *Bo,
@@ -642,8 +641,8 @@ void decoder_layer(const float *X, int64_t M, int64_t hid, const float *Wn1, flo
                    const float *G, const float *U, const float *Dn, int64_t inter,
                    float *work, float *Y, int nthreads) {
     float *N = work, *Hs = N + M * hid, *T = Hs + M * hid, *Mid = T + M * hid, *aw = Mid + M * inter;
-    if (Wn1) rms_norm(X, Wn1, N, M, hid, eps1);
-    attention_block(Wn1 ? N : X, M, hid, Wq, Bq, Wk, Bk, Wv, Bv, Wo, Bo, H, Hkv, D, cos, sin, K, V, kv_sh, past,
+    rms_norm(X, Wn1, N, M, hid, eps1);
+    attention_block(N, M, hid, Wq, Bq, Wk, Bk, Wv, Bv, Wo, Bo, H, Hkv, D, cos, sin, K, V, kv_sh, past,
                     mask, mask_kind, mask_sm, scale, aw, T, nthreads);
     for (int64_t i = 0; i < M * hid; i++) Hs[i] = X[i] + T[i];
     rms_norm(Hs, Wn2, N, M, hid, eps2);
@@ -1275,15 +1274,14 @@ def decoder_layer(x: torch.Tensor, norms: tuple, projs: tuple, mlp: tuple, heads
                   past: int, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
     """A Llama-style decoder layer's forward for x [1, M, hidden] in one C call: `rms_norm`, `attention_block`,
     the residual sum, `rms_norm`, `rows_gated`, `rows_linear`, the residual sum, bit for bit. norms = (input norm
-    weight or None for no input norm, eps, post-attention norm weight, eps); mlp = (gate, up, down weights); the rest
-    as `attention_block`."""
+    weight, eps, post-attention norm weight, eps); mlp = (gate, up, down weights); the rest as `attention_block`."""
     m, hid = x.shape[1], x.shape[2]
     inter = mlp[0].shape[0]
     y = x.new_empty(1, m, hid)
     work = _scratch(m * (3 * hid + inter + (2 * heads + 2 * kv_heads) * head_dim))
     kind, mask_sm = _mask_rows(mask)
     (_lib or library()).decoder_layer(
-        x.data_ptr(), m, hid, _ptr(norms[0]), norms[1], norms[2].data_ptr(), norms[3],
+        x.data_ptr(), m, hid, norms[0].data_ptr(), norms[1], norms[2].data_ptr(), norms[3],
         *_projection_ptrs(projs), heads, kv_heads, head_dim, cos.data_ptr(), sin.data_ptr(),
         k_buf.data_ptr(), v_buf.data_ptr(), k_buf.stride(1), past, _ptr(mask), kind, mask_sm, scale,
         packed(mlp[0]), packed(mlp[1]), packed(mlp[2]), inter, work.data_ptr(), y.data_ptr(),
