@@ -95,7 +95,7 @@ def cmd_generate(args) -> None:
     dec = SpeculativeDecoder.from_pretrained(args.target, args.draft, **dataclasses.asdict(cfg))
     tok = dec.target.tokenizer
     g = torch.Generator().manual_seed(cfg.seed) if cfg.temperature > 0 and cfg.seed is not None else None
-    stream = dec.stream(args.prompt, speculative=bool(args.draft), generator=g)
+    stream = dec.stream(args.prompt, speculative=bool(args.draft) or cfg.prompt_lookup_num_tokens > 0, generator=g)
     ids, shown = [], ""
     while True:
         try:

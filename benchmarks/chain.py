@@ -8,6 +8,8 @@ on the same prompts.
 `--grid-top-k 2 4 8 --grid-depth 3 5 7 --grid-total 4 8 16 32` every dynamic tree of that grid (a sweep; add
 `--no-baselines` to skip transformers' two methods, our greedy stays as the reference). `--spread` takes the
 prompts evenly spaced over the file rather than its first ones (MT-bench's first 20 are writing and roleplay only).
+`--plus-lookup 4` adds, for every method, a twin whose tree also holds our prompt lookup branch of 4 tokens
+(`prompt_lookup_num_tokens`), and our prompt lookup alone.
 
 For every prompt, each method runs back to back (so machine noise hits them alike). Prints a Markdown table and,
 as its last line, a JSON object with every number.
@@ -55,6 +57,11 @@ def main() -> None:
     ap.add_argument("--grid-depth", type=int, nargs="*", default=[])
     ap.add_argument("--grid-total", type=int, nargs="*", default=[])
     ap.add_argument("--lookup", type=int, default=10, help="prompt_lookup_num_tokens for transformers")
+    ap.add_argument("--plus-lookup", type=int, nargs="*", default=[], metavar="M",
+                    help="for every method above, a twin with our prompt lookup branch of M tokens merged into "
+                         "its tree; and our prompt lookup of M tokens alone")
+    ap.add_argument("--lookup-ngram", default="3,3", metavar="MIN,MAX",
+                    help="suffix lengths our prompt lookup matches (prompt_lookup_min, prompt_lookup_max)")
     ap.add_argument("--baselines", action=argparse.BooleanOptionalAction, default=True,
                     help="also run transformers' generate and prompt lookup")
     args = ap.parse_args()
@@ -65,6 +72,13 @@ def main() -> None:
         spec[f"dynamic_{top_k}_{depth}_{total}"] = dict(mode="dynamic", top_k=top_k, depth=depth, total_tokens=total)
     for f in args.static:
         spec[f"static_{f.rsplit('/', 1)[-1].removesuffix('.json')}"] = dict(mode="static", tree=f)
+    lo, hi = (int(x) for x in args.lookup_ngram.split(","))
+    alone = set()  # methods drafted by prompt lookup alone, without the head
+    for m in args.plus_lookup:
+        look = dict(prompt_lookup_num_tokens=m, prompt_lookup_min=lo, prompt_lookup_max=hi)
+        spec.update({f"{name}+lookup{m}": {**kw, **look} for name, kw in list(spec.items()) if "lookup" not in name})
+        spec[f"lookup{m}_alone"] = look
+        alone.add(f"lookup{m}_alone")
 
     target = load_target(args.target)
     dec = SpeculativeDecoder.from_pretrained(target, args.draft)
@@ -79,8 +93,9 @@ def main() -> None:
     same = {m: 0 for m in methods}
     warm = dec.encode(prompts[0]["prompt"])
     dec.generate(warm, 8, speculative=False)
-    for kw in spec.values():
-        dec.generate(warm, 8, **kw)
+    lookup_dec = SpeculativeDecoder(target, None)  # prompt lookup alone, on our engine
+    for m, kw in spec.items():
+        (lookup_dec if m in alone else dec).generate(warm, 8, **kw)
     if args.baselines:
         hf_generate(target, warm, 8)
     for i, p in enumerate(prompts):
@@ -92,7 +107,7 @@ def main() -> None:
             runs["hf_generate"] = hf_generate(target, ids, n)
             runs["hf_prompt_lookup"] = hf_generate(target, ids, n, args.lookup)
         for m, kw in spec.items():
-            out = dec.generate(ids, n, **kw)
+            out = (lookup_dec if m in alone else dec).generate(ids, n, **kw)
             runs[m] = (out.token_ids, out.total_s)
             cat_rounds[m][p["category"]][0] += sum(out.accept_lengths) + out.rounds
             cat_rounds[m][p["category"]][1] += out.rounds

@@ -26,7 +26,7 @@ from eagle.attention import use_gqa_sdpa
 from eagle.fastlinear import disable_fast_linear, enable_fast_linear, fast_linear_enabled, kernel_rows
 from infer import tree
 from infer.cache import TargetCache
-from infer.proposer import Draft, EagleProposer
+from infer.proposer import Draft, EagleProposer, LookupProposer
 from infer.sampling import accept_greedy, accept_sampled, process, sample
 
 
@@ -40,6 +40,12 @@ class DecodeConfig:
     top_k: int = 2  # dynamic: children per expanded node, and nodes expanded per level
     depth: int = 3  # dynamic: levels drafted per round
     total_tokens: int = 4  # dynamic: tree nodes verified per round, the root included
+    # prompt lookup (n-gram) drafts: the prompt_lookup_num_tokens tokens that followed the latest earlier occurrence
+    # of the text's last prompt_lookup_max .. prompt_lookup_min tokens, as one more branch of the head's tree
+    # (greedy only), or the whole draft without a head; 0: off (infer.proposer.LookupProposer)
+    prompt_lookup_num_tokens: int = 0
+    prompt_lookup_min: int = 3
+    prompt_lookup_max: int = 3
     max_new_tokens: int = 128
     temperature: float = 0.0  # 0: greedy; > 0: lossless sampling from the target's distribution
     top_p: float = 1.0
@@ -95,6 +101,10 @@ def check_config(c: DecodeConfig) -> None:
     if c.mode == "dynamic" and (c.top_k < 1 or c.depth < 1 or c.total_tokens < 2):
         problems.append(f"dynamic tree needs top_k >= 1, depth >= 1, total_tokens >= 2 "
                         f"(got {c.top_k}, {c.depth}, {c.total_tokens})")
+    if c.prompt_lookup_num_tokens < 0 or not 1 <= c.prompt_lookup_min <= c.prompt_lookup_max:
+        problems.append(f"prompt lookup needs prompt_lookup_num_tokens >= 0 and 1 <= prompt_lookup_min <= "
+                        f"prompt_lookup_max (got {c.prompt_lookup_num_tokens}, {c.prompt_lookup_min}, "
+                        f"{c.prompt_lookup_max})")
     if c.temperature < 0 or not 0 < c.top_p <= 1 or c.sampling_top_k < 0:
         problems.append(f"sampling needs temperature >= 0, 0 < top_p <= 1, sampling_top_k >= 0 "
                         f"(got {c.temperature}, {c.top_p}, {c.sampling_top_k})")
@@ -196,8 +206,13 @@ class SpeculativeDecoder:
             generator = torch.Generator().manual_seed(cfg.seed)
         if max_new_tokens is not None:
             cfg.max_new_tokens = max_new_tokens
-        if speculative and self.proposer is None:
-            raise ValueError("speculative decoding needs a draft head; pass draft=... or speculative=False")
+        lookup = cfg.prompt_lookup_num_tokens > 0
+        if speculative and self.proposer is None and not lookup:
+            raise ValueError("speculative decoding needs a draft head or prompt lookup; pass draft=..., "
+                             "prompt_lookup_num_tokens=... or speculative=False")
+        if speculative and lookup and self.proposer is not None and cfg.temperature > 0:
+            raise ValueError("prompt_lookup_num_tokens with a draft head needs greedy decoding (temperature 0): "
+                             "a lookup branch has no draft distribution to sample the head's drafts against")
         self.use_fast_path(cfg.fast_linear)
         prompt_ids = self.encode(prompt)
         if not prompt_ids:
@@ -280,6 +295,8 @@ class SpeculativeDecoder:
     def _speculate(self, prompt_ids: list[int], cfg: DecodeConfig, out: GenerateOutput, generator):
         """The verify loop: 1 prefill, 2 draft, 3 verify with the tree mask, 4 accept, 5 compact and advance."""
         t, q, dev = self.target, self.proposer, self.target.device
+        if cfg.prompt_lookup_num_tokens > 0:
+            q = LookupProposer(q)
         cache = TargetCache()
         q.reset()
         # 1. prefill: the target reads the prompt and emits the root, the first new token

@@ -134,12 +134,14 @@ def _summary(pairs: list[tuple[GenerateOutput, GenerateOutput]], k: int, samplin
 def draft_depth(d: DecodeConfig) -> int:
     """The deepest a round's accepted path can go: the positions acceptance is reported for."""
     if d.mode == "chain":
-        return d.num_speculative_tokens
-    if d.mode == "dynamic":
-        return d.depth
-    if d.mode == "static":
-        return max(len(c) for c in load_choices(d.tree))
-    raise EvalError(f"--mode {d.mode!r}: expected chain, static or dynamic")
+        depth = d.num_speculative_tokens
+    elif d.mode == "dynamic":
+        depth = d.depth
+    elif d.mode == "static":
+        depth = max(len(c) for c in load_choices(d.tree))
+    else:
+        raise EvalError(f"--mode {d.mode!r}: expected chain, static or dynamic")
+    return max(depth, d.prompt_lookup_num_tokens)  # a lookup branch reaches its own length
 
 
 def evaluate(cfg: EvalConfig, decoder: SpeculativeDecoder | None = None) -> dict:

@@ -13,6 +13,12 @@ level with a tree attention mask):
   `top_k` best children; the `total_tokens - 1` best nodes of all levels are kept. With sampling the drafts stay
   deterministic (top-k), which is lossless with a point-mass q: choosing nodes by the values of sampled children
   would bias them.
+
+Prompt lookup (`LookupProposer`, the n-gram drafts of transformers' `prompt_lookup_num_tokens` and vLLM's ngram
+proposer) drafts the tokens that followed the latest earlier occurrence of the text's last n tokens. Alone it
+drafts a chain; around an EAGLE proposer its chain joins the head's tree as one more branch from the root, sharing
+the nodes it agrees with, so a round accepts the longer of the two. Small targets repeat themselves (lists, code,
+loops), where the head's few-token chains stop short and a lookup continues.
 """
 
 from __future__ import annotations
@@ -245,3 +251,78 @@ class EagleProposer:
         out = torch.zeros(q_draft.shape[0], head.config.vocab_size)
         out[:, head.d2t.cpu()] = q_draft.float().cpu()
         return out
+
+
+class NgramIndex:
+    """The committed text and, for every n-gram in it (min_n <= n <= max_n), where the token after its latest
+    occurrence sits. `draft(m)` continues the text's longest indexed suffix: the m tokens that followed it last
+    time, running on into the draft itself where that occurrence is too recent (a loop shorter than m)."""
+
+    def __init__(self, min_n: int, max_n: int):
+        self.min_n, self.max_n = min_n, max_n
+        self.text: list[int] = []
+        self.after: dict[tuple[int, ...], int] = {}  # n-gram -> index of the token after its latest occurrence
+
+    def extend(self, tokens: list[int]) -> None:
+        for t in tokens:
+            i = len(self.text)
+            for n in range(self.min_n, min(self.max_n, i) + 1):
+                self.after[tuple(self.text[i - n:])] = i
+            self.text.append(t)
+
+    def draft(self, m: int) -> list[int]:
+        L = len(self.text)
+        for n in range(min(self.max_n, L), self.min_n - 1, -1):
+            s = self.after.get(tuple(self.text[L - n:]))
+            if s is not None:
+                out: list[int] = []
+                for j in range(m):
+                    out.append(self.text[s + j] if s + j < L else out[s + j - L])
+                return out
+        return []
+
+
+def merge_chain(draft: Draft, chain: list[int]) -> Draft:
+    """`draft` with `chain` (tokens after the root) added as a path from the root: each token is a child of the one
+    before it, reusing a node the draft already has for it. Returns `draft` itself when nothing is added."""
+    toks, pars = draft.tokens.tolist(), draft.parents.tolist()
+    n0, node = len(toks), 0
+    for t in chain:
+        child = next((i for i in range(1, len(toks)) if pars[i] == node and toks[i] == t), None)
+        if child is None:
+            toks.append(t)
+            pars.append(node)
+            child = len(toks) - 1
+        node = child
+    if len(toks) == n0:
+        return draft
+    return Draft(torch.tensor(toks, device=draft.tokens.device), torch.tensor(pars), draft.q)
+
+
+class LookupProposer:
+    """Prompt lookup drafts, alone (`inner=None`: a chain, empty when the text's suffix occurred nowhere before) or
+    merged into the tree of an inner proposer (greedy decoding only: a lookup branch has no draft distribution to
+    sample siblings against). Settings come from the decoding config: `prompt_lookup_num_tokens` drafted tokens,
+    suffixes of `prompt_lookup_max` down to `prompt_lookup_min` tokens."""
+
+    def __init__(self, inner=None):
+        self.inner = inner
+        self.index: NgramIndex | None = None
+
+    def reset(self) -> None:
+        self.index = None
+        if self.inner is not None:
+            self.inner.reset()
+
+    def rollback(self, n: int) -> None:
+        if self.inner is not None:  # the index holds committed tokens only: nothing to forget
+            self.inner.rollback(n)
+
+    def propose(self, feats: torch.Tensor, tokens: torch.Tensor, cfg, generator=None) -> Draft:
+        if self.index is None:
+            self.index = NgramIndex(cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+        self.index.extend(tokens[0].tolist())
+        chain = self.index.draft(cfg.prompt_lookup_num_tokens)
+        if self.inner is None:
+            return Draft.chain(tokens[0, -1], torch.tensor(chain, dtype=torch.long, device=tokens.device))
+        return merge_chain(self.inner.propose(feats, tokens, cfg, generator), chain)

@@ -1,0 +1,147 @@
+"""Prompt lookup drafts (n-gram), alone and merged into an EAGLE head's tree: the index, the merge, losslessness,
+and exact acceptance against a brute-force reference of what the lookup drafts."""
+
+import pytest
+import torch
+from tiny import tiny_head, tiny_target
+
+from infer import SpeculativeDecoder
+from infer.proposer import Draft, NgramIndex, merge_chain
+
+PROMPT = [5, 6, 7, 8, 5, 6, 7, 9, 5, 6, 7, 8, 10]  # repeats, so the lookup finds matches from the first round
+
+
+def reference_draft(text: list[int], m: int, min_n: int, max_n: int) -> list[int]:
+    """Brute force: scan back for the latest earlier occurrence of the longest suffix, continue m tokens from it,
+    running on into the draft where the text ends."""
+    L = len(text)
+    for n in range(min(max_n, L), min_n - 1, -1):
+        for s in range(L - n - 1, -1, -1):
+            if text[s:s + n] == text[L - n:]:
+                out = []
+                for j in range(m):
+                    out.append(text[s + n + j] if s + n + j < L else out[s + n + j - L])
+                return out
+    return []
+
+
+def test_ngram_index_hand_checked():
+    idx = NgramIndex(2, 3)
+    idx.extend([1, 2, 3, 4, 1, 2, 3])
+    assert idx.draft(3) == [4, 1, 2]  # "1 2 3" occurred before, followed by 4 1 2
+    idx.extend([9, 2, 3])
+    assert idx.draft(2) == [9, 2]  # the latest "2 3" (n = 2: "9 2 3" has no earlier occurrence) is followed by 9
+    loop = NgramIndex(1, 3)
+    loop.extend([7, 7, 7])
+    assert loop.draft(5) == [7, 7, 7, 7, 7]  # a loop shorter than the draft runs on into the draft
+    none = NgramIndex(3, 3)
+    none.extend([1, 2, 3, 4])
+    assert none.draft(4) == []
+
+
+def test_ngram_index_agrees_with_brute_force():
+    g = torch.Generator().manual_seed(0)
+    for trial in range(200):
+        text = torch.randint(0, 4, (int(torch.randint(1, 40, (1,), generator=g)),), generator=g).tolist()
+        min_n = 1 + trial % 3
+        max_n = min_n + trial % 2
+        idx = NgramIndex(min_n, max_n)
+        cut = len(text) // 2
+        idx.extend(text[:cut])  # in two parts, as rounds extend it
+        idx.extend(text[cut:])
+        assert idx.draft(5) == reference_draft(text, 5, min_n, max_n), (text, min_n, max_n)
+
+
+def test_merge_chain_shares_the_prefix_it_agrees_with():
+    d = Draft(torch.tensor([10, 11, 12, 13]), torch.tensor([-1, 0, 1, 0]))  # root 10 -> 11 -> 12, and 10 -> 13
+    m = merge_chain(d, [11, 14, 15])
+    assert m.tokens.tolist() == [10, 11, 12, 13, 14, 15]
+    assert m.parents.tolist() == [-1, 0, 1, 0, 1, 4]
+    assert m.depth.tolist() == [0, 1, 2, 1, 2, 3]
+    assert merge_chain(d, [13]) is d and merge_chain(d, []) is d
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_target()
+
+
+@pytest.fixture(scope="module")
+def baseline(target):
+    return SpeculativeDecoder(target, None).generate(PROMPT, 48, speculative=False)
+
+
+def replay(text_before: list[int], generated: list[int], accept_lengths: list[int]):
+    """(committed text, next tokens) at the start of every round: the lookup sees the prompt after its first token."""
+    done = 1  # the prefill emits the first token
+    for a in accept_lengths:
+        yield text_before + generated[:done], generated[done:]
+        done += a + 1
+
+
+@pytest.mark.parametrize("m,min_n,max_n", [(3, 1, 3), (5, 2, 2), (4, 3, 3)])
+def test_lookup_alone_is_lossless_and_accepts_exactly_its_matching_prefix(target, baseline, m, min_n, max_n):
+    dec = SpeculativeDecoder(target, None)
+    out = dec.generate(PROMPT, 48, prompt_lookup_num_tokens=m, prompt_lookup_min=min_n, prompt_lookup_max=max_n)
+    assert out.token_ids == baseline.token_ids
+    expected = []
+    for text, future in replay(PROMPT[1:], out.token_ids, out.accept_lengths):
+        draft = reference_draft(text, m, min_n, max_n)
+        n = 0
+        while n < len(draft) and n < len(future) and draft[n] == future[n]:
+            n += 1
+        expected.append(n)
+    assert out.accept_lengths[:-1] == expected[:-1]  # the last round may be cut by max_new_tokens
+    if min_n == 1:
+        assert sum(out.accept_lengths) > 0  # the check above is not vacuous here
+
+
+@pytest.mark.parametrize("cfg", [dict(num_speculative_tokens=2), dict(mode="dynamic", top_k=2, depth=3,
+                                                                      total_tokens=5)])
+def test_lookup_merged_into_the_head_tree_is_lossless_and_never_accepts_less(target, baseline, cfg):
+    dec = SpeculativeDecoder(target, tiny_head(target))
+    out = dec.generate(PROMPT, 48, prompt_lookup_num_tokens=4, prompt_lookup_min=1, **cfg)
+    assert out.token_ids == baseline.token_ids
+    for (text, future), a in zip(replay(PROMPT[1:], out.token_ids, out.accept_lengths[:-1]), out.accept_lengths):
+        draft = reference_draft(text, 4, 1, 3)
+        n = 0
+        while n < len(draft) and n < len(future) and draft[n] == future[n]:
+            n += 1
+        assert a >= n
+
+
+def test_lookup_with_a_head_and_sampling_is_a_one_line_error(target):
+    dec = SpeculativeDecoder(target, tiny_head(target))
+    with pytest.raises(ValueError, match="needs greedy decoding") as e:
+        dec.generate(PROMPT, 4, prompt_lookup_num_tokens=3, temperature=0.8)
+    assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match="prompt_lookup_min <= prompt_lookup_max"):
+        dec.generate(PROMPT, 4, prompt_lookup_num_tokens=3, prompt_lookup_min=4)
+
+
+def test_lookup_alone_sampling_reproduces_the_target_distribution():
+    from test_trees import _tv_test  # the exact distribution of the first two tokens, against 600 draws
+
+    target = tiny_target(vocab_size=24, seed=3)
+    target.model.lm_head.weight.mul_(0.15)
+    dec = SpeculativeDecoder(target, None)
+    # min 1: the first sampled token drafts whatever followed it in the prompt, when it occurs there
+    tv, noise = _tv_test(target, dec, dict(prompt_lookup_num_tokens=2, prompt_lookup_min=1, temperature=1.0),
+                         trials=600)
+    assert tv < 1.5 * noise + 0.01, (tv, noise)
+
+
+def test_eval_with_prompt_lookup_and_no_head(tmp_path):
+    import json
+
+    from eagle_cli import _config_from_args, build_parser
+    from infer.evaluate import EvalConfig, evaluate
+
+    args = build_parser().parse_args(["eval", "--data", str(tmp_path / "p.jsonl"), "--out", str(tmp_path / "ev"),
+                                      "--num-prompts", "2", "--max-new-tokens", "16", "--num-speculative-tokens",
+                                      "2", "--prompt-lookup-num-tokens", "5", "--prompt-lookup-min", "1"])
+    cfg = _config_from_args(EvalConfig, args)
+    assert (cfg.decode.prompt_lookup_num_tokens, cfg.decode.prompt_lookup_min) == (5, 1) and not cfg.draft
+    (tmp_path / "p.jsonl").write_text(json.dumps({"turns": ["w1 w2 w1 w2 w1"]}) + "\n" + json.dumps({"turns": ["w4"]}))
+    r = evaluate(cfg, decoder=SpeculativeDecoder(tiny_target(), None))
+    assert r["lossless"] == 1.0 and len(r["acceptance_per_position"]) == 5
