@@ -79,18 +79,21 @@ def replay(text_before: list[int], generated: list[int], accept_lengths: list[in
         done += a + 1
 
 
+def agreed(draft: list[int], future: list[int]) -> int:
+    """How many leading draft tokens the target's own continuation confirms."""
+    n = 0
+    while n < min(len(draft), len(future)) and draft[n] == future[n]:
+        n += 1
+    return n
+
+
 @pytest.mark.parametrize("m,min_n,max_n", [(3, 1, 3), (5, 2, 2), (4, 3, 3)])
 def test_lookup_alone_is_lossless_and_accepts_exactly_its_matching_prefix(target, baseline, m, min_n, max_n):
     dec = SpeculativeDecoder(target, None)
     out = dec.generate(PROMPT, 48, prompt_lookup_num_tokens=m, prompt_lookup_min=min_n, prompt_lookup_max=max_n)
     assert out.token_ids == baseline.token_ids
-    expected = []
-    for text, future in replay(PROMPT[1:], out.token_ids, out.accept_lengths):
-        draft = reference_draft(text, m, min_n, max_n)
-        n = 0
-        while n < len(draft) and n < len(future) and draft[n] == future[n]:
-            n += 1
-        expected.append(n)
+    expected = [agreed(reference_draft(text, m, min_n, max_n), future)
+                for text, future in replay(PROMPT[1:], out.token_ids, out.accept_lengths)]
     assert out.accept_lengths[:-1] == expected[:-1]  # the last round may be cut by max_new_tokens
     if min_n == 1:
         assert sum(out.accept_lengths) > 0  # the check above is not vacuous here
@@ -103,11 +106,7 @@ def test_lookup_merged_into_the_head_tree_is_lossless_and_never_accepts_less(tar
     out = dec.generate(PROMPT, 48, prompt_lookup_num_tokens=4, prompt_lookup_min=1, **cfg)
     assert out.token_ids == baseline.token_ids
     for (text, future), a in zip(replay(PROMPT[1:], out.token_ids, out.accept_lengths[:-1]), out.accept_lengths):
-        draft = reference_draft(text, 4, 1, 3)
-        n = 0
-        while n < len(draft) and n < len(future) and draft[n] == future[n]:
-            n += 1
-        assert a >= n
+        assert a >= agreed(reference_draft(text, 4, 1, 3), future)
 
 
 def test_lookup_with_a_head_and_sampling_is_a_one_line_error(target):
