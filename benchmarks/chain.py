@@ -60,7 +60,7 @@ def main() -> None:
     ap.add_argument("--plus-lookup", type=int, nargs="*", default=[], metavar="M",
                     help="for every method above, a twin with our prompt lookup branch of M tokens merged into "
                          "its tree; and our prompt lookup of M tokens alone")
-    ap.add_argument("--lookup-ngram", default="3,3", metavar="MIN,MAX",
+    ap.add_argument("--lookup-ngram", default="2,4", metavar="MIN,MAX",
                     help="suffix lengths our prompt lookup matches (prompt_lookup_min, prompt_lookup_max)")
     ap.add_argument("--baselines", action=argparse.BooleanOptionalAction, default=True,
                     help="also run transformers' generate and prompt lookup")

@@ -101,7 +101,7 @@ def main() -> None:
     ap.add_argument("--lookup", type=int, default=10, help="prompt_lookup_num_tokens for transformers")
     ap.add_argument("--prompt-lookup", type=int, default=0, metavar="M",
                     help="our prompt lookup branch of M tokens in the speculative run's tree (with --lookup-ngram)")
-    ap.add_argument("--lookup-ngram", default="3,3", metavar="MIN,MAX", help="prompt_lookup_min, prompt_lookup_max")
+    ap.add_argument("--lookup-ngram", default="2,4", metavar="MIN,MAX", help="prompt_lookup_min, prompt_lookup_max")
     ap.add_argument("--context", type=int, default=256, help="KV-cache length for the pass-cost curve")
     ap.add_argument("--repeats", type=int, default=7)
     args = ap.parse_args()

@@ -103,7 +103,7 @@ def test_lookup_alone_is_lossless_and_accepts_exactly_its_matching_prefix(target
                                                                       total_tokens=5)])
 def test_lookup_merged_into_the_head_tree_is_lossless_and_never_accepts_less(target, baseline, cfg):
     dec = SpeculativeDecoder(target, tiny_head(target))
-    out = dec.generate(PROMPT, 48, prompt_lookup_num_tokens=4, prompt_lookup_min=1, **cfg)
+    out = dec.generate(PROMPT, 48, prompt_lookup_num_tokens=4, prompt_lookup_min=1, prompt_lookup_max=3, **cfg)
     assert out.token_ids == baseline.token_ids
     for (text, future), a in zip(replay(PROMPT[1:], out.token_ids, out.accept_lengths[:-1]), out.accept_lengths):
         assert a >= agreed(reference_draft(text, 4, 1, 3), future)
@@ -115,7 +115,7 @@ def test_lookup_with_a_head_and_sampling_is_a_one_line_error(target):
         dec.generate(PROMPT, 4, prompt_lookup_num_tokens=3, temperature=0.8)
     assert "\n" not in str(e.value)
     with pytest.raises(ValueError, match="prompt_lookup_min <= prompt_lookup_max"):
-        dec.generate(PROMPT, 4, prompt_lookup_num_tokens=3, prompt_lookup_min=4)
+        dec.generate(PROMPT, 4, prompt_lookup_num_tokens=3, prompt_lookup_min=5)
 
 
 def test_lookup_alone_sampling_reproduces_the_target_distribution():
