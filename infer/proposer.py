@@ -286,14 +286,14 @@ def merge_chain(draft: Draft, chain: list[int]) -> Draft:
     """`draft` with `chain` (tokens after the root) added as a path from the root: each token is a child of the one
     before it, reusing a node the draft already has for it. Returns `draft` itself when nothing is added."""
     toks, pars = draft.tokens.tolist(), draft.parents.tolist()
+    child = {(p, t): i for i, (p, t) in enumerate(zip(pars, toks))}  # (parent, token) -> node
     n0, node = len(toks), 0
     for t in chain:
-        child = next((i for i in range(1, len(toks)) if pars[i] == node and toks[i] == t), None)
-        if child is None:
+        if (node, t) not in child:
+            child[node, t] = len(toks)
             toks.append(t)
             pars.append(node)
-            child = len(toks) - 1
-        node = child
+        node = child[node, t]
     if len(toks) == n0:
         return draft
     return Draft(torch.tensor(toks, device=draft.tokens.device), torch.tensor(pars), draft.q)
