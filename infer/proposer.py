@@ -41,6 +41,8 @@ class Draft:
     q: torch.Tensor | None = None    # [N, V] the distribution node n's children were drawn from (None: point mass)
     node_mask: torch.Tensor | None = None  # tree.ancestor_mask(parents), derived unless a fixed tree supplies it
     depth: torch.Tensor | None = None      # tree.depths(parents), likewise
+    lookup: torch.Tensor | None = None     # [N] bool: nodes of a merged prompt-lookup chain (a point mass each)
+    drafted: torch.Tensor | None = None    # [N] bool: nodes the proposer drew (None: all of them)
 
     def __post_init__(self):
         if self.node_mask is None:
@@ -284,26 +286,35 @@ class NgramIndex:
 
 def merge_chain(draft: Draft, chain: list[int]) -> Draft:
     """`draft` with `chain` (tokens after the root) added as a path from the root: each token is a child of the one
-    before it, reusing a node the draft already has for it. Returns `draft` itself when nothing is added."""
+    before it, reusing a node the draft already has for it. `lookup` marks the chain's nodes and `drafted` the
+    draft's own, for sampling; new nodes get zero rows of q (their children, if any, are lookup nodes too)."""
     toks, pars = draft.tokens.tolist(), draft.parents.tolist()
     child = {(p, t): i for i, (p, t) in enumerate(zip(pars, toks))}  # (parent, token) -> node
-    n0, node = len(toks), 0
+    n0, node, on_chain = len(toks), 0, []
     for t in chain:
         if (node, t) not in child:
             child[node, t] = len(toks)
             toks.append(t)
             pars.append(node)
         node = child[node, t]
+        on_chain.append(node)
+    lookup = torch.zeros(len(toks), dtype=torch.bool)
+    lookup[on_chain] = True
+    drafted = torch.arange(len(toks)) < n0
+    q = draft.q
+    if q is not None and len(toks) > n0:
+        q = torch.cat([q, q.new_zeros(len(toks) - n0, q.shape[1])])
     if len(toks) == n0:
-        return draft
-    return Draft(torch.tensor(toks, device=draft.tokens.device), torch.tensor(pars), draft.q)
+        return Draft(draft.tokens, draft.parents, q, draft.node_mask, draft.depth, lookup, drafted)
+    return Draft(torch.tensor(toks, device=draft.tokens.device), torch.tensor(pars), q, lookup=lookup,
+                 drafted=drafted)
 
 
 class LookupProposer:
     """Prompt lookup drafts, alone (`inner=None`: a chain, empty when the text's suffix occurred nowhere before) or
-    merged into the tree of an inner proposer (greedy decoding only: a lookup branch has no draft distribution to
-    sample siblings against). Settings come from the decoding config: `prompt_lookup_num_tokens` drafted tokens,
-    suffixes of `prompt_lookup_max` down to `prompt_lookup_min` tokens."""
+    merged into the tree of an inner proposer (with sampling, each lookup node is tried as a point mass before its
+    parent's drafted children: `sampling.accept_sampled`). Settings come from the decoding config:
+    `prompt_lookup_num_tokens` drafted tokens, suffixes of `prompt_lookup_max` down to `prompt_lookup_min` tokens."""
 
     def __init__(self, inner=None):
         self.inner = inner

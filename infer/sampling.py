@@ -8,6 +8,9 @@ renormalised; a point mass when the drafts were deterministic top-k), is accepte
 min(1, p(c_i) / q_i(c_i)); on rejection p becomes norm(max(0, p - q_i)). When no child is accepted the next token
 is drawn from what is left of p, so every emitted token is distributed exactly as the target's (Leviathan et al.
 2023; Chen et al. 2023; the multi-candidate form as in SpecInfer).
+A prompt-lookup child (a token fixed by the text, not drawn from q) is tried first as a point mass: accepted with
+probability p(x), else x leaves p. The drafted children then face what is left of p as usual; each step hands the
+next one exactly the distribution it must reproduce, so the node's emitted token still follows p.
 """
 
 from __future__ import annotations
@@ -52,24 +55,38 @@ def accept_greedy(tokens: torch.Tensor, predicted: torch.Tensor, parents: torch.
 
 
 def accept_sampled(tokens: torch.Tensor, parents: torch.Tensor, p: torch.Tensor, q: torch.Tensor | None,
-                   generator: torch.Generator | None) -> tuple[int, int]:
+                   generator: torch.Generator | None, lookup: torch.Tensor | None = None,
+                   drafted: torch.Tensor | None = None) -> tuple[int, int]:
     """Recursive rejection sampling down the tree. `p[n]` is the target's distribution after node n, `q[n]` the
     draft distribution node n's children were drawn from, in drawing order (None: deterministic drafts, a point
-    mass each). Returns (deepest accepted node, the token the target emits after it)."""
+    mass each). `lookup` [N] marks the prompt-lookup chain's nodes (each tried first among its siblings, as a point
+    mass), `drafted` [N] the nodes the draft drew (None: all). Returns (deepest accepted node, the token the target
+    emits after it)."""
     children: dict[int, list[int]] = {}
+    first: dict[int, int] = {}
     for n, par in enumerate(parents.tolist()[1:], start=1):
-        children.setdefault(par, []).append(n)
+        if drafted is None or drafted[n]:
+            children.setdefault(par, []).append(n)
+        if lookup is not None and lookup[n]:
+            first[par] = n
     node = 0
     while True:
-        nxt = _try_children(node, children.get(node, []), tokens, p[node].clone(),
+        nxt = _try_children(node, first.get(node), children.get(node, []), tokens, p[node].clone(),
                             None if q is None else q[node].clone(), generator)
         if isinstance(nxt, tuple):
             return nxt
         node = nxt
 
 
-def _try_children(node, kids, tokens, p_left, q_left, generator):
-    """One node's recursive rejection: the accepted child's index, or (node, token drawn from what is left of p)."""
+def _try_children(node, first, kids, tokens, p_left, q_left, generator):
+    """One node's recursive rejection: the accepted child's index, or (node, token drawn from what is left of p).
+    `first`: a point-mass child tried before the drafted `kids` (None: none)."""
+    if first is not None:
+        x = int(tokens[first])
+        if float(torch.rand((), generator=generator)) < float(p_left[x]):
+            return first
+        p_left[x] = 0.0
+        p_left /= p_left.sum()
     for c in kids:
         x = int(tokens[c])
         if q_left is None:  # a point mass on x: accept with probability p(x)

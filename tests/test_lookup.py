@@ -58,7 +58,14 @@ def test_merge_chain_shares_the_prefix_it_agrees_with():
     assert m.tokens.tolist() == [10, 11, 12, 13, 14, 15]
     assert m.parents.tolist() == [-1, 0, 1, 0, 1, 4]
     assert m.depth.tolist() == [0, 1, 2, 1, 2, 3]
-    assert merge_chain(d, [13]) is d and merge_chain(d, []) is d
+    assert m.lookup.tolist() == [False, True, False, False, True, True]  # the chain's nodes, the shared one too
+    assert m.drafted.tolist() == [True] * 4 + [False] * 2
+    same = merge_chain(d, [13])
+    assert same.parents is d.parents and same.lookup.tolist() == [False, False, False, True]
+    assert not merge_chain(d, []).lookup.any()
+    q = torch.rand(4, 20)
+    mq = merge_chain(Draft(d.tokens, d.parents, q), [11, 14, 15])
+    assert mq.q.shape == (6, 20) and torch.equal(mq.q[:4], q) and not mq.q[4:].any()
 
 
 @pytest.fixture(scope="module")
@@ -109,13 +116,11 @@ def test_lookup_merged_into_the_head_tree_is_lossless_and_never_accepts_less(tar
         assert a >= agreed(reference_draft(text, 4, 1, 3), future)
 
 
-def test_lookup_with_a_head_and_sampling_is_a_one_line_error(target):
+def test_bad_lookup_settings_are_one_line_errors(target):
     dec = SpeculativeDecoder(target, tiny_head(target))
-    with pytest.raises(ValueError, match="needs greedy decoding") as e:
-        dec.generate(PROMPT, 4, prompt_lookup_num_tokens=3, temperature=0.8)
-    assert "\n" not in str(e.value)
-    with pytest.raises(ValueError, match="prompt_lookup_min <= prompt_lookup_max"):
+    with pytest.raises(ValueError, match="prompt_lookup_min <= prompt_lookup_max") as e:
         dec.generate(PROMPT, 4, prompt_lookup_num_tokens=3, prompt_lookup_min=5)
+    assert "\n" not in str(e.value)
 
 
 def test_lookup_alone_sampling_reproduces_the_target_distribution():
@@ -128,6 +133,48 @@ def test_lookup_alone_sampling_reproduces_the_target_distribution():
     tv, noise = _tv_test(target, dec, dict(prompt_lookup_num_tokens=2, prompt_lookup_min=1, temperature=1.0),
                          trials=600)
     assert tv < 1.5 * noise + 0.01, (tv, noise)
+
+
+@pytest.mark.parametrize("cfg", [
+    dict(mode="chain", num_speculative_tokens=2, temperature=1.0),
+    dict(mode="static", tree="[[0], [1], [0, 0]]", temperature=0.8, top_p=0.9),
+    dict(mode="dynamic", top_k=3, depth=2, total_tokens=5, temperature=1.2),
+])
+def test_lookup_merged_into_the_head_tree_sampling_reproduces_the_target_distribution(cfg):
+    """Lookup nodes are point masses tried before the head's drawn siblings (some of them the same node)."""
+    from test_trees import _tv_test
+
+    target = tiny_target(vocab_size=24, seed=3)
+    target.model.lm_head.weight.mul_(0.15)
+    dec = SpeculativeDecoder(target, tiny_head(target, seed=4))
+    tv, noise = _tv_test(target, dec, dict(cfg, prompt_lookup_num_tokens=2, prompt_lookup_min=1), trials=600)
+    assert tv < 1.5 * noise + 0.01, (tv, noise)
+
+
+def test_accept_sampled_with_a_lookup_child_matches_p_exactly():
+    """One round on a 3-token vocabulary, every draw of the head's child enumerated: a lookup child (token 2, which
+    q rarely draws; the same node when it does) tried first as a point mass, then the head's child drawn from q.
+    Taking the lookup child for a draw from q would emit token 2 with probability 0.82."""
+    from infer.sampling import accept_sampled
+
+    p_root, q_root = torch.tensor([0.1, 0.6, 0.3]), torch.tensor([0.9, 0.08, 0.02])
+    g = torch.Generator().manual_seed(0)
+    law = torch.zeros(3)
+    for a in range(3):  # the head's one child, drawn from q
+        if a == 2:  # shared with the lookup
+            tokens, parents, lookup, drafted = [9, 2], [-1, 0], [False, True], [True, True]
+        else:
+            tokens, parents, lookup, drafted = [9, a, 2], [-1, 0, 0], [False, False, True], [True, True, False]
+        n = len(tokens)
+        p = torch.cat([p_root[None], torch.eye(3)[: n - 1]])
+        q = torch.cat([q_root[None], torch.zeros(n - 1, 3)])
+        hits = torch.zeros(3)
+        for _ in range(6000):
+            best, nxt = accept_sampled(torch.tensor(tokens), torch.tensor(parents), p, q, g, torch.tensor(lookup),
+                                       torch.tensor(drafted))
+            hits[tokens[best] if best else nxt] += 1
+        law += q_root[a] * hits / hits.sum()
+    torch.testing.assert_close(law, p_root, atol=0.02, rtol=0)
 
 
 def test_eval_with_prompt_lookup_and_no_head(tmp_path):
