@@ -1,12 +1,13 @@
-"""The `eagle` command: prep, train, eval, generate.
+"""The `eagle` command: prep, train, eval, bench, generate.
 
     eagle prep --target smollm2-135m --data sharegpt --out runs/demo/data --max-rows 300 --regenerate
     eagle train --config configs/smollm2-135m-eagle1.yaml budget.minutes=10
     eagle eval --target smollm2-135m --draft runs/demo/head --data prompts.jsonl --out runs/demo/eval
+    eagle bench --target smollm2-135m --draft runs/demo/head --data prompts.jsonl --out runs/demo/bench
     eagle generate --target smollm2-135m --draft runs/demo/head --prompt "Tell me about owls."
 
-Options of prep and eval are the fields of their config dataclasses (PrepConfig, EvalConfig): the defaults live
-there only. Errors in the input end the command with one line naming the input and the problem.
+Options of prep, eval and bench are the fields of their config dataclasses (PrepConfig, EvalConfig, BenchConfig):
+the defaults live there only. Errors in the input end the command with one line naming the input and the problem.
 """
 
 from __future__ import annotations
@@ -84,6 +85,15 @@ def cmd_eval(args) -> None:
     print(f"report: {cfg.out}/report.json, {cfg.out}/report.md")
 
 
+def cmd_bench(args) -> None:
+    from infer.bench import BenchConfig, bench, markdown
+
+    cfg = _config_from_args(BenchConfig, args, required=("data",))
+    report = bench(cfg)
+    print(markdown(report, cfg))
+    print(f"report: {cfg.out}/bench.json, {cfg.out}/bench.md")
+
+
 def cmd_generate(args) -> None:
     import torch
 
@@ -115,6 +125,7 @@ def cmd_generate(args) -> None:
 def build_parser() -> argparse.ArgumentParser:
     from data_prep.prep import PrepConfig
     from infer import DecodeConfig
+    from infer.bench import BenchConfig
     from infer.evaluate import EvalConfig
 
     p = argparse.ArgumentParser(prog="eagle", description="Train EAGLE draft heads and decode with them.")
@@ -129,6 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
     se = sub.add_parser("eval", help="baseline vs speculative decoding on a prompt set")
     _add_dataclass_args(se, EvalConfig)
     se.set_defaults(func=cmd_eval)
+    sb = sub.add_parser("bench", help="measure chains, trees and prompt lookup; name the fastest setting")
+    _add_dataclass_args(sb, BenchConfig)
+    sb.set_defaults(func=cmd_bench)
     sg = sub.add_parser("generate", help="stream a completion and print the statistics")
     sg.add_argument("--target", default="smollm2-135m")
     sg.add_argument("--draft", default=None)

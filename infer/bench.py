@@ -1,0 +1,172 @@
+"""Find the fastest speculative setting for this machine, target and head: measured, not guessed.
+
+    eagle bench --target smollm2-135m --draft runs/demo/head --data ../shared/evaldata/mt_bench.jsonl \
+        --num-prompts 8 --max-new-tokens 128 --out runs/bench
+    eagle bench ... --sweep-k 1,2,3 --sweep-dynamic 4:3:8 --sweep-lookup 0,8   # a smaller sweep
+
+Candidates: chains of each `sweep_k`, EAGLE-2 dynamic trees of each `sweep_dynamic` (TOP_K:DEPTH:TOTAL_TOKENS),
+each of them also with a prompt-lookup branch of each non-zero `sweep_lookup`, and prompt lookup alone; without a
+head, prompt lookup alone only. Every other decoding option (temperature, max_new_tokens, ...) is the base all
+candidates share. For every prompt, plain decoding and every candidate run back to back, in an order reversed
+every other prompt, so machine noise hits them alike; speeds compare only within one run.
+
+Writes `bench.json` (every candidate, fastest first, and the best as settings and as command-line flags) and
+`bench.md`. The best is the fastest candidate whose greedy outputs equalled plain decoding's on every prompt; with
+sampling (temperature > 0) outputs differ by design and only speed counts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from eagle import load_target
+from infer.decoder import DecodeConfig, SpeculativeDecoder, check_config
+from infer.evaluate import EvalError, load_prompts
+
+
+@dataclass
+class BenchConfig:
+    target: str = "smollm2-135m"
+    draft: str = ""
+    data: str = ""
+    out: str = "runs/bench"
+    num_prompts: int = 8
+    spread: bool = True  # prompts evenly spaced over the file (MT-bench's file is sorted by category)
+    decode: DecodeConfig = field(default_factory=DecodeConfig)  # what every candidate shares
+    sweep_k: list[int] = field(default_factory=lambda: [1, 2, 3, 4, 5, 6])
+    sweep_dynamic: list[str] = field(default_factory=lambda: ["2:3:4", "4:3:8", "4:4:8", "8:4:16"])
+    sweep_lookup: list[int] = field(default_factory=lambda: [0, 8])  # 0: the head's drafts alone
+    warmup: int = 1  # prompts decoded once by every candidate, unmeasured, before timing starts
+    num_threads: int = 0
+
+
+@dataclass
+class Candidate:
+    name: str
+    settings: dict  # the DecodeConfig fields it sets
+    tau: float = 0.0
+    tokens_per_s: float = 0.0
+    speedup: float = 0.0  # over plain decoding on the same prompts in the same run
+    identical: float | None = None  # fraction of prompts with plain greedy's tokens; None when sampling
+    draft_ms: float = 0.0  # per round
+    verify_ms: float = 0.0
+    head: bool = True  # drafts with the head (False: prompt lookup alone, run without --draft)
+
+
+@dataclass
+class BenchReport:
+    num_prompts: int
+    baseline_tokens_per_s: float
+    candidates: list[Candidate]  # fastest first
+    best: Candidate | None  # None: no lossless candidate beat plain decoding
+    flags: str  # the best's settings as `eagle eval` / `eagle generate` flags
+
+
+def candidates(cfg: BenchConfig, has_head: bool) -> list[Candidate]:
+    """The settings to measure, named; a one-line error for a malformed sweep."""
+    shapes: list[Candidate] = []
+    if has_head:
+        for k in cfg.sweep_k:
+            if k < 1:
+                raise EvalError(f"sweep_k {k}: chains draft at least 1 token")
+            shapes.append(Candidate(f"chain k={k}", dict(mode="chain", num_speculative_tokens=k)))
+        for spec in cfg.sweep_dynamic:
+            parts = str(spec).split(":")
+            if len(parts) != 3 or not all(p.strip().isdigit() for p in parts):
+                raise EvalError(f"sweep_dynamic {spec!r}: expected TOP_K:DEPTH:TOTAL_TOKENS such as 4:3:8")
+            top_k, depth, total = (int(p) for p in parts)
+            shapes.append(Candidate(f"dynamic {top_k}:{depth}:{total}",
+                                    dict(mode="dynamic", top_k=top_k, depth=depth, total_tokens=total)))
+    if any(m < 0 for m in cfg.sweep_lookup):
+        raise EvalError(f"sweep_lookup {cfg.sweep_lookup}: prompt lookup lengths must be >= 0")
+    out = [c for c in shapes if 0 in cfg.sweep_lookup]
+    for m in (m for m in cfg.sweep_lookup if m > 0):
+        out += [Candidate(f"{c.name} + lookup {m}", {**c.settings, "prompt_lookup_num_tokens": m}) for c in shapes]
+        out.append(Candidate(f"lookup {m} (no head)", dict(prompt_lookup_num_tokens=m), head=False))
+    if not out:
+        raise EvalError("nothing to measure: give a --draft head (with --sweep-k or --sweep-dynamic) or a "
+                        "non-zero --sweep-lookup")
+    for c in out:
+        check_config(dataclasses.replace(cfg.decode, **c.settings))
+    return out
+
+
+def flags(settings: dict) -> str:
+    return " ".join(f"--{k.replace('_', '-')} {v}" for k, v in settings.items())
+
+
+def bench(cfg: BenchConfig, decoder: SpeculativeDecoder | None = None) -> BenchReport:
+    check_config(cfg.decode)
+    if cfg.num_threads:
+        torch.set_num_threads(cfg.num_threads)
+    has_head = bool(cfg.draft) or (decoder is not None and decoder.proposer is not None)
+    cands = candidates(cfg, has_head)
+    prompts = load_prompts(cfg.data, cfg.num_prompts, cfg.spread)
+    dec = decoder or SpeculativeDecoder.from_pretrained(load_target(cfg.target), cfg.draft or None)
+    dec.config = cfg.decode
+    alone = SpeculativeDecoder(dec.target, None, config=cfg.decode)  # prompt lookup without the head
+    sampling = cfg.decode.temperature > 0
+    n = cfg.decode.max_new_tokens
+
+    def run(c: Candidate | None, prompt: str, i: int, new_tokens: int = n):
+        g = torch.Generator().manual_seed((cfg.decode.seed or 0) * 1_000_003 + i) if sampling else None
+        if c is None:
+            return dec.generate(prompt, new_tokens, speculative=False, generator=g)
+        return (dec if c.head else alone).generate(prompt, new_tokens, generator=g, **c.settings)
+
+    for p in prompts[: cfg.warmup]:
+        for c in [None] + cands:
+            run(c, p["prompt"], -1, min(n, 16))
+    stats = {c.name: [0, 0.0, 0, 0, 0.0, 0.0, 0] for c in cands}  # tokens, s, emitted, rounds, draft, verify, same
+    base_tokens, base_s = 0, 0.0
+    for i, p in enumerate(prompts):
+        base = run(None, p["prompt"], i)
+        base_tokens, base_s = base_tokens + len(base.token_ids), base_s + base.total_s
+        for c in cands if i % 2 == 0 else cands[::-1]:
+            out = run(c, p["prompt"], i)
+            st = stats[c.name]
+            for j, v in enumerate((len(out.token_ids), out.total_s, sum(out.accept_lengths) + out.rounds,
+                                   out.rounds, out.draft_s, out.verify_s, out.token_ids == base.token_ids)):
+                st[j] += v
+        print(f"[{i + 1}/{len(prompts)}] plain {base.tokens_per_s:.1f} tok/s; fastest so far: "
+              f"{max(cands, key=lambda c: stats[c.name][0] / stats[c.name][1]).name}", flush=True)
+    base_tps = base_tokens / base_s
+    for c in cands:
+        tokens, s, emitted, rounds, draft, verify, same = stats[c.name]
+        c.tokens_per_s, c.tau = tokens / s, emitted / max(rounds, 1)
+        c.speedup = c.tokens_per_s / base_tps
+        c.identical = None if sampling else same / len(prompts)
+        c.draft_ms, c.verify_ms = 1e3 * draft / max(rounds, 1), 1e3 * verify / max(rounds, 1)
+    cands.sort(key=lambda c: -c.tokens_per_s)
+    best = next((c for c in cands if c.identical in (None, 1.0) and c.speedup > 1.0), None)
+    report = BenchReport(len(prompts), base_tps, cands, best, "" if best is None else flags(best.settings))
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench.json").write_text(json.dumps({"settings": asdict(cfg), **asdict(report)}, indent=1))
+    (out / "bench.md").write_text(markdown(report, cfg))
+    return report
+
+
+def markdown(r: BenchReport, cfg: BenchConfig) -> str:
+    d = cfg.decode
+    lines = [f"# Fastest speculative setting: {cfg.target} + {cfg.draft or 'no head'}", "",
+             f"{r.num_prompts} prompts from `{cfg.data}`, {d.max_new_tokens} new tokens, "
+             + (f"temperature {d.temperature}" if d.temperature > 0 else "greedy")
+             + f", {torch.get_num_threads()} threads. Plain decoding: {r.baseline_tokens_per_s:.1f} tokens/s.", "",
+             "| setting | tau | tokens/s | speedup | draft / verify ms a round | identical to plain |",
+             "|---|---|---|---|---|---|"]
+    for c in r.candidates:
+        lines.append(f"| {c.name} | {c.tau:.2f} | {c.tokens_per_s:.1f} | {c.speedup:.2f}x | "
+                     f"{c.draft_ms:.1f} / {c.verify_ms:.1f} | "
+                     f"{'n/a' if c.identical is None else format(c.identical, '.2f')} |")
+    if r.best is None:
+        lines += ["", "No candidate beat plain decoding on this machine.", ""]
+    else:
+        lines += ["", f"Fastest: **{r.best.name}** ({r.best.speedup:.2f}x plain decoding): `eagle eval` / `eagle "
+                  f"generate` flags `{r.flags}`" + ("" if r.best.head else ", without `--draft`") + ".", ""]
+    return "\n".join(lines)
