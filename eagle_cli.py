@@ -102,10 +102,12 @@ def cmd_generate(args) -> None:
 
     cfg = _config_from_args(DecodeConfig, args)
     check_config(cfg)  # before the target loads
-    dec = SpeculativeDecoder.from_pretrained(args.target, args.draft, **dataclasses.asdict(cfg))
+    dec = SpeculativeDecoder.from_pretrained(args.target, args.draft, draft_model=args.draft_model,
+                                             **dataclasses.asdict(cfg))
     tok = dec.target.tokenizer
     g = torch.Generator().manual_seed(cfg.seed) if cfg.temperature > 0 and cfg.seed is not None else None
-    stream = dec.stream(args.prompt, speculative=bool(args.draft) or cfg.prompt_lookup_num_tokens > 0, generator=g)
+    speculative = bool(args.draft or args.draft_model) or cfg.prompt_lookup_num_tokens > 0
+    stream = dec.stream(args.prompt, speculative=speculative, generator=g)
     ids, shown = [], ""
     while True:
         try:
@@ -145,7 +147,8 @@ def build_parser() -> argparse.ArgumentParser:
     sb.set_defaults(func=cmd_bench)
     sg = sub.add_parser("generate", help="stream a completion and print the statistics")
     sg.add_argument("--target", default="smollm2-135m")
-    sg.add_argument("--draft", default=None)
+    sg.add_argument("--draft", default=None, help="an EAGLE head (a checkpoint directory)")
+    sg.add_argument("--draft-model", default=None, help="instead of a head: a small LM with the target's tokenizer")
     sg.add_argument("--prompt", required=True)
     _add_dataclass_args(sg, DecodeConfig)
     sg.set_defaults(func=cmd_generate)

@@ -4,9 +4,9 @@
         --num-prompts 8 --max-new-tokens 128 --out runs/bench
     eagle bench ... --sweep-k 1,2,3 --sweep-dynamic 4:3:8 --sweep-lookup 0,8   # a smaller sweep
 
-Candidates: chains of each `sweep_k`, EAGLE-2 dynamic trees of each `sweep_dynamic` (TOP_K:DEPTH:TOTAL_TOKENS),
-each of them also with a prompt-lookup branch of each non-zero `sweep_lookup`, and prompt lookup alone; without a
-head, prompt lookup alone only. Every other decoding option (temperature, max_new_tokens, ...) is the base all
+Candidates: chains of each `sweep_k`, EAGLE-2 dynamic trees of each `sweep_dynamic` (TOP_K:DEPTH:TOTAL_TOKENS;
+not with a `draft_model`, which drafts chains only), each of them also with a prompt-lookup branch of each non-zero
+`sweep_lookup`, and prompt lookup alone; without a head or draft model, prompt lookup alone only. Every other decoding option (temperature, max_new_tokens, ...) is the base all
 candidates share. For every prompt, plain decoding and every candidate run back to back, in an order reversed
 every other prompt, so machine noise hits them alike; speeds compare only within one run.
 
@@ -32,7 +32,8 @@ from infer.evaluate import EvalError, load_prompts
 @dataclass
 class BenchConfig:
     target: str = "smollm2-135m"
-    draft: str = ""
+    draft: str = ""  # an EAGLE head
+    draft_model: str = ""  # instead of a head: a small causal LM with the target's tokenizer (chains only)
     data: str = ""
     out: str = "runs/bench"
     num_prompts: int = 8
@@ -104,10 +105,11 @@ def bench(cfg: BenchConfig, decoder: SpeculativeDecoder | None = None) -> BenchR
     check_config(cfg.decode)
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
-    has_head = bool(cfg.draft) or (decoder is not None and decoder.proposer is not None)
-    cands = candidates(cfg, has_head)
+    has_head = bool(cfg.draft or cfg.draft_model) or (decoder is not None and decoder.proposer is not None)
+    cands = candidates(dataclasses.replace(cfg, sweep_dynamic=[]) if cfg.draft_model else cfg, has_head)
     prompts = load_prompts(cfg.data, cfg.num_prompts, cfg.spread)
-    dec = decoder or SpeculativeDecoder.from_pretrained(load_target(cfg.target), cfg.draft or None)
+    dec = decoder or SpeculativeDecoder.from_pretrained(load_target(cfg.target), cfg.draft or None,
+                                                        draft_model=cfg.draft_model or None)
     dec.config = cfg.decode
     alone = SpeculativeDecoder(dec.target, None, config=cfg.decode)  # prompt lookup without the head
     sampling = cfg.decode.temperature > 0

@@ -26,7 +26,7 @@ from eagle.attention import use_gqa_sdpa
 from eagle.fastlinear import disable_fast_linear, enable_fast_linear, fast_linear_enabled, kernel_rows
 from infer import tree
 from infer.cache import TargetCache
-from infer.proposer import Draft, EagleProposer, LookupProposer
+from infer.proposer import Draft, EagleProposer, LookupProposer, ModelProposer
 from infer.sampling import accept_greedy, accept_sampled, process, sample
 
 
@@ -145,7 +145,8 @@ class SpeculativeDecoder:
                         and cpukernel.supports(lm.weight) and cpukernel.available())
         if self._screen:
             cpukernel.screen_tables(lm.weight)  # made now (~1 s for SmolLM2), not in the first timed token
-        for model in (self.target.model, self.head):
+        draft_model = getattr(self.proposer, "model", None)  # a ModelProposer's small LM
+        for model in (self.target.model, self.head, None if draft_model is None else draft_model.model):
             if model is None:
                 continue
             if on and self.target.device.type == "cpu" and not fast_linear_enabled(model):
@@ -155,12 +156,20 @@ class SpeculativeDecoder:
 
     @classmethod
     def from_pretrained(cls, target: str | TargetModel, draft: str | EagleHead | None = None,
-                        device: str = "cpu", dtype: torch.dtype = torch.float32, **config) -> "SpeculativeDecoder":
+                        device: str = "cpu", dtype: torch.dtype = torch.float32,
+                        draft_model: str | TargetModel | None = None, **config) -> "SpeculativeDecoder":
+        """`draft`: an EAGLE head (a checkpoint directory); or `draft_model`: a small causal LM with the target's
+        tokenizer (any name `load_target` takes), drafting chains."""
         if isinstance(target, str):
             target = load_target(target, device=device, dtype=dtype)
+        if draft is not None and draft_model is not None:
+            raise ValueError("give either draft (an EAGLE head) or draft_model (a small LM), not both")
         if isinstance(draft, str):
             draft = EagleHead.from_pretrained(draft, device=target.device, dtype=target.dtype)
-        return cls(target, draft, DecodeConfig(**config))
+        if isinstance(draft_model, str):
+            draft_model = load_target(draft_model, device=target.device, dtype=target.dtype)
+        proposer = ModelProposer(draft_model, target) if draft_model is not None else None
+        return cls(target, draft, DecodeConfig(**config), proposer=proposer)
 
     @torch.inference_mode()
     def _calibration_pass(self, rows: int, context: int = 128) -> float:
@@ -295,7 +304,7 @@ class SpeculativeDecoder:
         if cfg.prompt_lookup_num_tokens > 0:
             q = LookupProposer(q)
         cache = TargetCache()
-        q.reset()
+        q.reset(prompt_ids)
         # 1. prefill: the target reads the prompt and emits the root, the first new token
         t0 = time.perf_counter()
         ids = torch.tensor([prompt_ids], device=dev)

@@ -35,6 +35,7 @@ class EvalError(ValueError):
 class EvalConfig:
     target: str = "smollm2-135m"
     draft: str = ""
+    draft_model: str = ""  # instead of a head: a small causal LM with the target's tokenizer (chains only)
     data: str = ""
     out: str = "runs/eval"
     num_prompts: int = 20
@@ -151,7 +152,8 @@ def evaluate(cfg: EvalConfig, decoder: SpeculativeDecoder | None = None) -> dict
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
     prompts = load_prompts(cfg.data, cfg.num_prompts, cfg.spread)
-    dec = decoder or SpeculativeDecoder.from_pretrained(load_target(cfg.target), cfg.draft or None)
+    dec = decoder or SpeculativeDecoder.from_pretrained(load_target(cfg.target), cfg.draft or None,
+                                                        draft_model=cfg.draft_model or None)
     dec.config = d
     sampling = d.temperature > 0
 

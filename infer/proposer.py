@@ -1,8 +1,9 @@
 """Proposers: what drafts a round's tree. The EAGLE head drafts chains, static trees and EAGLE-2 dynamic trees.
 
-Contract (as in transformers' candidate generators): `reset()`, `rollback(n)` and
+Contract (as in transformers' candidate generators): `reset(prompt_ids)`, `rollback(n)` and
 `propose(feats, tokens, cfg, generator) -> Draft`, where `feats[t]` / `tokens[t]` are the newly committed
-(target feature, next token) pairs and `tokens[:, -1]` is the root, the last emitted token.
+(target feature, next token) pairs and `tokens[:, -1]` is the root, the last emitted token; `rollback(n)` keeps
+the first n pairs (the committed text's first n + 1 tokens, the root included) and forgets the drafts.
 
 Shapes of the draft, all one code path (levels of nodes expanded with the head's own KV cache, one head pass per
 level with a tree attention mask):
@@ -13,6 +14,9 @@ level with a tree attention mask):
   `top_k` best children; the `total_tokens - 1` best nodes of all levels are kept. With sampling the drafts stay
   deterministic (top-k), which is lossless with a point-mass q: choosing nodes by the values of sampled children
   would bias them.
+
+A draft model (`ModelProposer`: any small causal LM with the target's tokenizer, as in Leviathan et al. 2023
+and transformers' assisted generation) drafts a chain, token by token, with its own KV cache.
 
 Prompt lookup (`LookupProposer`, the n-gram drafts of transformers' `prompt_lookup_num_tokens` and vLLM's ngram
 proposer) drafts the tokens that followed the latest earlier occurrence of the text's last n tokens. Alone it
@@ -29,8 +33,9 @@ from pathlib import Path
 
 import torch
 
-from eagle import EagleHead, HeadCache
+from eagle import EagleHead, HeadCache, TargetModel
 from infer import tree
+from infer.cache import TargetCache
 from infer.sampling import gumbel_top, process
 
 
@@ -130,7 +135,7 @@ class EagleProposer:
         self.head, self.cache = head, HeadCache()
         self._plan: tuple | None = None  # (key, FixedPlan) of the last chain or static tree
 
-    def reset(self) -> None:
+    def reset(self, prompt_ids: list[int] | None = None) -> None:
         self.cache = HeadCache()
 
     def rollback(self, n: int) -> None:
@@ -255,6 +260,50 @@ class EagleProposer:
         return out
 
 
+class ModelProposer:
+    """Drafts a chain of `num_speculative_tokens` with a small causal LM that shares the target's tokenizer: its
+    greedy tokens, or draws from its distribution q (processed like p) when sampling. Its KV cache holds the
+    committed text; the drafted entries are dropped after each round."""
+
+    def __init__(self, model: TargetModel, target: TargetModel):
+        if model.fingerprint != target.fingerprint:
+            raise ValueError(f"draft model {model.name!r}: its tokenizer differs from the target's "
+                             f"(fingerprint {model.fingerprint} vs {target.fingerprint})")
+        self.model, self.vocab = model, target.vocab_size
+        self.cache, self.text = TargetCache(), []
+
+    def reset(self, prompt_ids: list[int] | None = None) -> None:
+        self.cache, self.text = TargetCache(), list(prompt_ids or [])[:1]  # the pairs start at the second token
+
+    def rollback(self, n: int) -> None:
+        self.cache.crop(n + 1)
+
+    @torch.inference_mode()
+    def propose(self, feats: torch.Tensor, tokens: torch.Tensor, cfg, generator=None) -> Draft:
+        if cfg.mode != "chain":
+            raise ValueError(f"mode {cfg.mode!r}: a draft model drafts chains only (mode chain)")
+        m, k = self.model, cfg.num_speculative_tokens
+        self.text += tokens[0].tolist()
+        start = len(self.cache)  # the committed text before this round's new tokens (the previous root included)
+        ids = torch.tensor([self.text[start:]], device=m.device)
+        drafts, q_rows = [], []
+        for i in range(k):
+            pos = torch.arange(start, start + ids.shape[1], device=m.device)[None]
+            logits = m.logits(m.features(ids, position_ids=pos, cache=self.cache.hf)[0, -1])[: self.vocab]
+            if generator is None:
+                tok = int(logits.argmax())
+            else:
+                q = process(logits[None], cfg.temperature, cfg.sampling_top_k, cfg.top_p)[0].cpu()
+                q = torch.nn.functional.pad(q, (0, self.vocab - q.shape[0]))
+                tok = int(torch.multinomial(q, 1, generator=generator))
+                q_rows.append(q)
+            drafts.append(tok)
+            start += ids.shape[1]
+            ids = torch.tensor([[tok]], device=m.device)
+        q = torch.cat([torch.stack(q_rows), torch.zeros(1, self.vocab)]) if q_rows else None
+        return Draft(torch.tensor([tokens[0, -1].item()] + drafts, device=tokens.device), tree.chain(k), q)
+
+
 class NgramIndex:
     """The committed text and, for every n-gram in it (min_n <= n <= max_n), where the token after its latest
     occurrence sits. `draft(m)` continues the text's longest indexed suffix: the m tokens that followed it last
@@ -320,10 +369,10 @@ class LookupProposer:
         self.inner = inner
         self.index: NgramIndex | None = None
 
-    def reset(self) -> None:
+    def reset(self, prompt_ids: list[int] | None = None) -> None:
         self.index = None
         if self.inner is not None:
-            self.inner.reset()
+            self.inner.reset(prompt_ids)
 
     def rollback(self, n: int) -> None:
         if self.inner is not None:  # the index holds committed tokens only: nothing to forget

@@ -18,7 +18,7 @@ class OracleProposer:
     def __init__(self, truth: list[int], wrong_at: int | None, vocab: int):
         self.truth, self.wrong_at, self.vocab = truth, wrong_at, vocab
 
-    def reset(self):
+    def reset(self, prompt_ids=None):
         self.length = 0
 
     def rollback(self, n):

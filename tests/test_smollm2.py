@@ -62,6 +62,15 @@ def test_oracle_drafts_on_smollm2(target, baselines, wrong_at):
         assert full == [5 if wrong_at is None else wrong_at] * len(full)
 
 
+def test_smollm2_drafting_for_itself_accepts_every_token(target, baselines):
+    """A draft model's one-token passes give the bits of the target's verification rows (the kernels compute each
+    row alone), so the target drafting for itself is accepted whole, every round."""
+    dec = SpeculativeDecoder.from_pretrained(target, draft_model=target)
+    out = dec.generate(PROMPTS[0], 40, num_speculative_tokens=4)
+    assert out.token_ids == baselines[0].token_ids
+    assert out.accept_lengths == [4] * len(out.accept_lengths)
+
+
 def test_prep_then_a_few_training_steps_lower_the_loss(target, tmp_path):
     from data_prep.prep import PrepConfig, prepare
     from train.loop import train

@@ -115,7 +115,7 @@ class OracleTreeProposer:
     def __init__(self, truth: list[int], good: int, vocab: int):
         self.truth, self.good, self.vocab = truth, good, vocab
 
-    def reset(self):
+    def reset(self, prompt_ids=None):
         self.length = 0
 
     def rollback(self, n):
