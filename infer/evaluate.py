@@ -9,7 +9,8 @@ Every decoding option is a field of `infer.DecodeConfig` (the `decode` part of E
 line). With `--temperature` > 0 both runs sample (seeded), so `lossless` is not defined and reported as null.
 
 Prompt files: one JSON object a line with `turns` (the first turn is used; `question_id`, `category` optional),
-or `messages` / `conversations` (the first user turn), or `prompt`. Writes `report.json` and `report.md`.
+or `messages` / `conversations` (the first user turn), or `prompt`. Writes `report.json`, `report.md` and, with
+matplotlib installed (the `plot` extra, which `make` installs), `report.png`.
 """
 
 from __future__ import annotations
@@ -192,7 +193,35 @@ def evaluate(cfg: EvalConfig, decoder: SpeculativeDecoder | None = None) -> dict
     out.mkdir(parents=True, exist_ok=True)
     (out / "report.json").write_text(json.dumps(report, indent=1))
     (out / "report.md").write_text(markdown(report))
+    plot(report, out / "report.png")
     return report
+
+
+def plot(r: dict, path: Path) -> bool:
+    """`report.png`: acceptance by draft position, and how many tokens each round emitted. Needs matplotlib (the
+    `plot` extra); without it nothing is drawn and False is returned."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    acc = r["acceptance_per_position"]
+    per_round = [a + 1 for p in r["prompts"] for a in p["accept_lengths"]]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6))
+    left.bar(range(1, len(acc) + 1), acc, color="tab:blue")
+    left.set(xlabel="draft position", ylabel="rounds reaching it", ylim=(0, 1),
+             title=f"acceptance by position (tau {r['tau']:.2f})")
+    top = max(per_round, default=1)
+    right.hist(per_round, bins=[b + 0.5 for b in range(top + 1)], color="tab:green", rwidth=0.85)
+    right.set(xlabel="tokens emitted in a round", ylabel="rounds", xticks=range(1, top + 1),
+              title=f"speculative {r['spec_tokens_per_s']:.1f}, plain {r['baseline_tokens_per_s']:.1f} tokens/s "
+                    f"({r['speedup']:.2f}x)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
 
 
 def markdown(r: dict) -> str:

@@ -287,7 +287,7 @@ class ModelProposer:
         start = len(self.cache)  # the committed text before this round's new tokens (the previous root included)
         ids = torch.tensor([self.text[start:]], device=m.device)
         drafts, q_rows = [], []
-        for i in range(k):
+        for _ in range(k):
             pos = torch.arange(start, start + ids.shape[1], device=m.device)[None]
             logits = m.logits(m.features(ids, position_ids=pos, cache=self.cache.hf)[0, -1])[: self.vocab]
             if generator is None:

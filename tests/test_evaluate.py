@@ -78,6 +78,16 @@ def test_eval_modes_record_their_settings(tmp_path, decode, depth):
     assert "mode " + decode["mode"] in (tmp_path / "ev/report.md").read_text()
 
 
+def test_report_png_is_drawn_with_matplotlib(tmp_path):
+    pytest.importorskip("matplotlib")
+    from infer.evaluate import plot
+
+    r = {"acceptance_per_position": [0.6, 0.3, 0.1], "tau": 2.0, "spec_tokens_per_s": 30.0,
+         "baseline_tokens_per_s": 20.0, "speedup": 1.5, "prompts": [{"accept_lengths": [0, 1, 3, 2]}]}
+    assert plot(r, tmp_path / "r.png")
+    assert (tmp_path / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_eval_cli_takes_tree_options(tmp_path):
     from eagle_cli import _config_from_args, build_parser
 
