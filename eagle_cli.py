@@ -1,9 +1,10 @@
-"""The `eagle` command: prep, train, eval, bench, generate.
+"""The `eagle` command: prep, train, eval, bench, export, generate.
 
     eagle prep --target smollm2-135m --data sharegpt --out runs/demo/data --max-rows 300 --regenerate
     eagle train --config configs/smollm2-135m-eagle1.yaml budget.minutes=10
     eagle eval --target smollm2-135m --draft runs/demo/head --data prompts.jsonl --out runs/demo/eval
     eagle bench --target smollm2-135m --draft runs/demo/head --data prompts.jsonl --out runs/demo/bench
+    eagle export --draft runs/demo/head --out runs/demo/head-vllm
     eagle generate --target smollm2-135m --draft runs/demo/head --prompt "Tell me about owls."
 
 Options of prep, eval and bench are the fields of their config dataclasses (PrepConfig, EvalConfig, BenchConfig):
@@ -94,6 +95,17 @@ def cmd_bench(args) -> None:
     print(f"report: {cfg.out}/bench.json, {cfg.out}/bench.md")
 
 
+def cmd_export(args) -> None:
+    from eagle import EagleHead
+    from eagle.interop import export_published
+
+    head = EagleHead.from_pretrained(args.draft)
+    for note in export_published(head, args.out):
+        print(f"note: {note}")
+    print(f"wrote {args.out}/config.json and model.safetensors ({head.config.head_type}, the published EAGLE layout "
+          "that vLLM and SGLang load)")
+
+
 def cmd_generate(args) -> None:
     import torch
 
@@ -145,6 +157,10 @@ def build_parser() -> argparse.ArgumentParser:
     sb = sub.add_parser("bench", help="measure chains, trees and prompt lookup; name the fastest setting")
     _add_dataclass_args(sb, BenchConfig)
     sb.set_defaults(func=cmd_bench)
+    sx = sub.add_parser("export", help="write a head in the published EAGLE layout (vLLM, SGLang)")
+    sx.add_argument("--draft", required=True, help="our head directory")
+    sx.add_argument("--out", required=True)
+    sx.set_defaults(func=cmd_export)
     sg = sub.add_parser("generate", help="stream a completion and print the statistics")
     sg.add_argument("--target", default="smollm2-135m")
     sg.add_argument("--draft", default=None, help="an EAGLE head (a checkpoint directory)")

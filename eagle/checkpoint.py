@@ -1,4 +1,5 @@
-"""Head checkpoints: a directory with `config.json` and `model.safetensors`, written whole or not at all.
+"""Head checkpoints: a directory with `config.json` and `model.safetensors`, written whole or not at all. Heads in
+the published EAGLE layouts load too (`eagle.interop`).
 
 Every fix for older or foreign checkpoint layouts belongs in `_upgrade` so the rest of the code sees one format.
 """
@@ -47,8 +48,7 @@ def _upgrade(cfg: dict) -> dict:
     return cfg
 
 
-def read_config(path) -> HeadConfig:
-    path = Path(path)
+def _read_raw(path: Path) -> dict:
     f = path / "config.json"
     if not f.exists():
         raise CheckpointError(f"draft head {str(path)!r}: no config.json (is it a head directory?)")
@@ -56,7 +56,14 @@ def read_config(path) -> HeadConfig:
         raw = json.loads(f.read_text())
     except json.JSONDecodeError as e:
         raise CheckpointError(f"draft head {str(path)!r}: config.json is not valid JSON ({e})") from None
-    raw = _upgrade(raw)
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"draft head {str(path)!r}: config.json does not hold a mapping")
+    return raw
+
+
+def read_config(path) -> HeadConfig:
+    path = Path(path)
+    raw = _upgrade(_read_raw(path))
     known = {fld.name for fld in dataclasses.fields(HeadConfig)}
     unknown = sorted(set(raw) - known)
     if unknown:
@@ -74,13 +81,20 @@ def validate_state(head: EagleHead, state: dict[str, torch.Tensor]) -> list[str]
     return problems
 
 
-def load_head(path, device="cpu", dtype=torch.float32) -> EagleHead:
+def load_head(path, device="cpu", dtype=torch.float32, target=None) -> EagleHead:
+    """Our checkpoint directory, or one in a published EAGLE-1/2 or EAGLE-3 layout (`eagle.interop`; `target`
+    gives an EAGLE-3 head without named feature layers the default ones)."""
     path = Path(path)
-    cfg = read_config(path)
-    weights = path / "model.safetensors"
-    if not weights.exists():
-        raise CheckpointError(f"draft head {str(path)!r}: no model.safetensors")
-    state = load_file(str(weights))
+    from eagle.interop import is_published, read_published
+
+    if is_published(_read_raw(path)):
+        cfg, state = read_published(path, target)
+    else:
+        cfg = read_config(path)
+        weights = path / "model.safetensors"
+        if not weights.exists():
+            raise CheckpointError(f"draft head {str(path)!r}: no model.safetensors")
+        state = load_file(str(weights))
     head = make_head(cfg)
     problems = validate_state(head, state)
     if problems:

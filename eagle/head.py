@@ -313,10 +313,11 @@ class EagleHead(nn.Module):
         save_head(self, path)
 
     @classmethod
-    def from_pretrained(cls, path, device="cpu", dtype=torch.float32) -> "EagleHead":
+    def from_pretrained(cls, path, device="cpu", dtype=torch.float32, target=None) -> "EagleHead":
+        """Our checkpoint directory or a published EAGLE-1/2 / EAGLE-3 one (`eagle.interop`)."""
         from eagle.checkpoint import load_head
 
-        return load_head(path, device=device, dtype=dtype)
+        return load_head(path, device=device, dtype=dtype, target=target)
 
 
 class Eagle3Layer(nn.Module):

@@ -165,7 +165,7 @@ class SpeculativeDecoder:
         if draft is not None and draft_model is not None:
             raise ValueError("give either draft (an EAGLE head) or draft_model (a small LM), not both")
         if isinstance(draft, str):
-            draft = EagleHead.from_pretrained(draft, device=target.device, dtype=target.dtype)
+            draft = EagleHead.from_pretrained(draft, device=target.device, dtype=target.dtype, target=target)
         if isinstance(draft_model, str):
             draft_model = load_target(draft_model, device=target.device, dtype=target.dtype)
         proposer = ModelProposer(draft_model, target) if draft_model is not None else None
