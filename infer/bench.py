@@ -6,9 +6,10 @@
 
 Candidates: chains of each `sweep_k`, EAGLE-2 dynamic trees of each `sweep_dynamic` (TOP_K:DEPTH:TOTAL_TOKENS;
 not with a `draft_model`, which drafts chains only), each of them also with a prompt-lookup branch of each non-zero
-`sweep_lookup`, and prompt lookup alone; without a head or draft model, prompt lookup alone only. Every other decoding option (temperature, max_new_tokens, ...) is the base all
-candidates share. For every prompt, plain decoding and every candidate run back to back, in an order reversed
-every other prompt, so machine noise hits them alike; speeds compare only within one run.
+`sweep_lookup`, and prompt lookup alone; without a head or draft model, prompt lookup alone only. Every other
+decoding option (temperature, max_new_tokens, ...) is the base all candidates share. For every prompt, plain
+decoding and every candidate run back to back, in an order reversed every other prompt, so machine noise hits them
+alike; speeds compare only within one run.
 
 Writes `bench.json` (every candidate, fastest first, and the best as settings and as command-line flags) and
 `bench.md`. The best is the fastest candidate whose greedy outputs equalled plain decoding's on every prompt; with
