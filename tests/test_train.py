@@ -1,5 +1,6 @@
 """Training on a tiny random Llama: the loss falls, checkpoints resume, bad input is refused clearly."""
 
+import importlib.util
 import json
 
 import pytest
@@ -39,7 +40,7 @@ def target():
     return tiny_target(dtype=torch.float32)
 
 
-def test_training_lowers_the_loss_and_exports_a_loadable_head(tmp_path, target):
+def test_training_lowers_the_loss_and_exports_a_loadable_head(tmp_path, target, capsys):
     write_prepared(tmp_path / "data", target)
     state = train(config(tmp_path, "budget.max_steps=40", "model.draft_vocab=40"), target=target)
     log = [json.loads(l) for l in (tmp_path / "run/log.jsonl").read_text().splitlines()]
@@ -49,6 +50,14 @@ def test_training_lowers_the_loss_and_exports_a_loadable_head(tmp_path, target):
     head = EagleHead.from_pretrained(tmp_path / "head").attach(target)
     assert head.config.draft_vocab_size == 40
     assert (tmp_path / "run/config.yaml").exists()
+    assert "MiB, to be written to" in capsys.readouterr().out  # the feature cache's size, said before writing it
+    if importlib.util.find_spec("tensorboard"):
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+        events = EventAccumulator(str(tmp_path / "run/tensorboard"))
+        events.Reload()
+        assert {"train/loss", "val/val_sim_tau", "val/val_sim_accept_1"} <= set(events.Tags()["scalars"])
+        assert len(events.Scalars("train/loss")) == len(losses)
 
 
 @pytest.mark.parametrize("head", ["eagle1", "eagle3"])

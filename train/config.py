@@ -106,6 +106,7 @@ class TrainConfig:
     out: str = "runs/demo/head"  # the best head, as a loadable checkpoint directory
     save_every_minutes: float = 2.0
     log_every: int = 10
+    tensorboard: bool = True  # also TensorBoard scalars in run_dir/tensorboard, when the package is installed
     seed: int = 0
     num_threads: int = 0  # torch threads (0: torch's default)
     # on the CPU, the head's linear layers (forward and backward) and validation decoding through the packed C

@@ -34,6 +34,7 @@ from eagle.configio import save_config
 from eagle.fastlinear import enable_fast_linear, linear_as, plan_training
 from eagle.head import eagle3_layers, make_head
 from train.config import TrainConfig
+from train.runlog import RunLog
 
 
 class TrainError(ValueError):
@@ -141,6 +142,10 @@ def cached_features(target: TargetModel, rows, prepared: Path, split: str, layer
         if feats is not None:
             save_features(path, feats)
     if feats is None:
+        width = target.hidden_size * (1 + len(layers or []))
+        size = sum(lengths) * width * torch.empty((), dtype=dtype).element_size()
+        print(f"target features ({split}): {sum(lengths):,} tokens x {width} {str(dtype).removeprefix('torch.')} "
+              f"= {size / 2**20:,.1f} MiB, to be written to {path}")
         feats = target_features(target, rows, f"target features ({split})", layers, dtype)
         save_features(path, feats)
     return feats
@@ -549,7 +554,7 @@ def train(cfg: TrainConfig, target: TargetModel | None = None) -> dict:
     steps_per_epoch = len(make_batches([r[0].shape[0] for r in rows], cfg.optim.batch_tokens, torch.Generator()))
     limit_s = cfg.budget.minutes * 60
     max_steps = cfg.budget.max_steps or (int(cfg.budget.epochs * steps_per_epoch) if cfg.budget.epochs else 0)
-    log = open(run / "log.jsonl", "a")
+    log = RunLog(run, cfg.tensorboard)
     print(f"{len(rows)} train rows ({sum(r[0].shape[0] for r in rows)} tokens), {len(val_rows)} val rows, "
           f"{steps_per_epoch} steps/epoch; target features in {feat_s:.1f}s; resuming at step {state['step']}"
           if state["step"] else f"{len(rows)} train rows, {len(val_rows)} val rows, {steps_per_epoch} steps/epoch; "
@@ -572,8 +577,7 @@ def train(cfg: TrainConfig, target: TargetModel | None = None) -> dict:
         state["done"] = final
         save_checkpoint(run, raw, opt, state)
         rec = {"step": state["step"], "train_min": round(state["train_s"] / 60, 2), **v, "best": state["best_tau"]}
-        log.write(json.dumps(rec) + "\n")
-        log.flush()
+        log.write(rec, "val")
         tqdm.write("validation: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in rec.items()))
 
     bar = tqdm(total=int(limit_s) if limit_s else max_steps, initial=int(state["train_s"]) if limit_s else state["step"],
@@ -613,7 +617,7 @@ def train(cfg: TrainConfig, target: TargetModel | None = None) -> dict:
                 tps = tok_window / (time.perf_counter() - t_window)
                 tok_window, t_window = 0, time.perf_counter()
                 bar.set_postfix(loss=f"{m['loss']:.3f}", acc=f"{m['acc']:.3f}", tok_s=f"{tps:.0f}")
-                log.write(json.dumps({"step": state["step"], "lr": lr_at(), "tok_s": round(tps), **m}) + "\n")
+                log.write({"step": state["step"], "lr": lr_at(), "tok_s": round(tps), **m}, "train")
             if progress() >= 1.0:
                 break
             if cfg.eval.every_minutes > 0 and state["train_s"] - last_val >= cfg.eval.every_minutes * 60:
