@@ -79,3 +79,13 @@ def test_bench_cli_takes_sweep_options():
     cfg = _config_from_args(BenchConfig, args)
     assert cfg.sweep_k == [1, 2] and cfg.sweep_dynamic == ["4:3:8"] and cfg.sweep_lookup == [8]
     assert cfg.decode.max_new_tokens == 64 and cfg.decode.temperature == 0.5
+
+
+def test_bench_with_a_draft_model_sweeps_chains_only(tmp_path):
+    t = tiny_target()
+    dec = SpeculativeDecoder.from_pretrained(t, draft_model=tiny_target(seed=5))
+    cfg = BenchConfig(target="tiny", draft_model="tiny-5", data=_prompts(tmp_path), out=str(tmp_path / "b"),
+                      num_prompts=2, decode=DecodeConfig(max_new_tokens=8), sweep_k=[1, 2], sweep_lookup=[0])
+    r = bench(cfg, decoder=dec)
+    assert sorted(c.name for c in r.candidates) == ["chain k=1", "chain k=2"]
+    assert all(c.identical == 1.0 for c in r.candidates)
