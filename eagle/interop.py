@@ -127,6 +127,10 @@ def export_published(head: EagleHead, out) -> list[str]:
                 v = v - torch.arange(v.shape[0])
             out_state[k] = v
         out_state["d2t"], out_state["t2d"] = out_state["d2t"].long(), out_state["t2d"].bool()
+        if any(i < 0 for i in c.feature_layer_ids):
+            notes.append(f"feature_layer_ids {c.feature_layer_ids} count from the end; servers read them from the "
+                         "start (index i of transformers' hidden_states is the input of layer i): edit "
+                         "eagle_config.eagle_aux_hidden_state_layer_ids")
         raw.update(architectures=["LlamaForCausalLMEagle3"], num_hidden_layers=1,
                    draft_vocab_size=c.draft_vocab_size or c.vocab_size,
                    eagle_config={"eagle_aux_hidden_state_layer_ids": list(c.feature_layer_ids),
