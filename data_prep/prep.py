@@ -221,6 +221,8 @@ def prepare(cfg: PrepConfig, target=None) -> PrepSummary:
     _write_jsonl(out / "val.jsonl", [dataclasses.asdict(examples[i]) for i in val_idx])
     _write_jsonl(out / "val_conversations.jsonl", [{"messages": kept_convs[i]} for i in val_idx])
     if one_turn and cfg.save_features:  # every kept row came with its features
+        size = sum(f.numel() * f.element_size() for f in feats)
+        print(f"target features of the regenerated rows: {size / 2**20:,.1f} MiB, to be written beside them")
         for split, idx in (("train", train_idx), ("val", val_idx)):
             save_features(features_path(out, split, target), [feats[i] for i in idx])
 

@@ -437,11 +437,12 @@ def test_regenerate_drops_prompts_that_are_too_long(tiny_target):
     assert res.ended[0] == "prompt_too_long" and res.conversations[0] == []
 
 
-def test_prepare_with_regeneration(tiny_target, tmp_path):
+def test_prepare_with_regeneration(tiny_target, tmp_path, capsys):
     data = write_jsonl(tmp_path / "prompts.jsonl", [{"turns": [f"Question {i}?", "More?"]} for i in range(6)])
     cfg = PrepConfig(target="tiny", data=str(data), out=str(tmp_path / "out"), regenerate=True,
                      max_new_tokens=8, max_length=128, max_turns=1)
     s = prepare(cfg, target=tiny_target)
+    assert "MiB, to be written beside them" in capsys.readouterr().out  # the feature cache's size, said first
     assert s.rows_read == 6 and s.kept + sum(s.dropped.values()) == 6
     assert set(s.dropped) <= {"empty_reply"} and s.regenerated_replies == s.kept
     for c in load_conversations(str(tmp_path / "out/val_conversations.jsonl"))[0]:
