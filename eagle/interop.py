@@ -96,7 +96,7 @@ def read_published(path, target=None) -> tuple[HeadConfig, dict[str, torch.Tenso
         elif k == "t2d":
             v = v.bool()
         ours[k] = v
-    draft_vocab = raw.get("draft_vocab_size") or common["vocab_size"]
+    draft_vocab = ours["d2t"].shape[0] if "d2t" in ours else raw.get("draft_vocab_size") or common["vocab_size"]
     if "d2t" not in ours:  # no map: the draft vocabulary is the target's
         ours["d2t"] = torch.arange(draft_vocab)
         ours["t2d"] = torch.ones(common["vocab_size"], dtype=torch.bool)
@@ -147,12 +147,16 @@ def export_published(head: EagleHead, out) -> list[str]:
             notes.append("the fc has a bias (config `bias: true`, as the published EAGLE-1 heads); check that your "
                          "server's EAGLE-1 loader reads fc.bias")
     out = Path(out)
-    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    if out.exists() and any(out.iterdir()) and not (out / "config.json").exists():
+        raise CheckpointError(f"export to {str(out)!r}: the directory exists and is not a head directory; "
+                              "name a new one")
+    tmp, old = out.with_name(out.name + f".tmp{os.getpid()}"), out.with_name(out.name + f".old{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     (tmp / "config.json").write_text(json.dumps(raw, indent=2))
     save_file(out_state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     if out.exists():
-        shutil.rmtree(out)
+        os.replace(out, old)
     os.replace(tmp, out)
+    shutil.rmtree(old, ignore_errors=True)
     return notes

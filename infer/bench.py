@@ -28,6 +28,7 @@ import torch
 from eagle import load_target
 from infer.decoder import DecodeConfig, SpeculativeDecoder, check_config
 from infer.evaluate import EvalError, load_prompts
+from infer.proposer import ModelProposer
 
 
 @dataclass
@@ -76,14 +77,16 @@ def candidates(cfg: BenchConfig, has_head: bool) -> list[Candidate]:
         for k in cfg.sweep_k:
             if k < 1:
                 raise EvalError(f"sweep_k {k}: chains draft at least 1 token")
-            shapes.append(Candidate(f"chain k={k}", dict(mode="chain", num_speculative_tokens=k)))
+            shapes.append(Candidate(f"chain k={k}", dict(mode="chain", num_speculative_tokens=k,
+                                                         prompt_lookup_num_tokens=0)))
         for spec in cfg.sweep_dynamic:
             parts = str(spec).split(":")
             if len(parts) != 3 or not all(p.strip().isdigit() for p in parts):
                 raise EvalError(f"sweep_dynamic {spec!r}: expected TOP_K:DEPTH:TOTAL_TOKENS such as 4:3:8")
             top_k, depth, total = (int(p) for p in parts)
             shapes.append(Candidate(f"dynamic {top_k}:{depth}:{total}",
-                                    dict(mode="dynamic", top_k=top_k, depth=depth, total_tokens=total)))
+                                    dict(mode="dynamic", top_k=top_k, depth=depth, total_tokens=total,
+                                         prompt_lookup_num_tokens=0)))
     if any(m < 0 for m in cfg.sweep_lookup):
         raise EvalError(f"sweep_lookup {cfg.sweep_lookup}: prompt lookup lengths must be >= 0")
     out = [c for c in shapes if 0 in cfg.sweep_lookup]
@@ -107,7 +110,8 @@ def bench(cfg: BenchConfig, decoder: SpeculativeDecoder | None = None) -> BenchR
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
     has_head = bool(cfg.draft or cfg.draft_model) or (decoder is not None and decoder.proposer is not None)
-    cands = candidates(dataclasses.replace(cfg, sweep_dynamic=[]) if cfg.draft_model else cfg, has_head)
+    chains_only = bool(cfg.draft_model) or isinstance(getattr(decoder, "proposer", None), ModelProposer)
+    cands = candidates(dataclasses.replace(cfg, sweep_dynamic=[]) if chains_only else cfg, has_head)
     prompts = load_prompts(cfg.data, cfg.num_prompts, cfg.spread)
     dec = decoder or SpeculativeDecoder.from_pretrained(load_target(cfg.target), cfg.draft or None,
                                                         draft_model=cfg.draft_model or None)
@@ -157,7 +161,8 @@ def bench(cfg: BenchConfig, decoder: SpeculativeDecoder | None = None) -> BenchR
 
 def markdown(r: BenchReport, cfg: BenchConfig) -> str:
     d = cfg.decode
-    lines = [f"# Fastest speculative setting: {cfg.target} + {cfg.draft or 'no head'}", "",
+    drafter = cfg.draft or (f"draft model {cfg.draft_model}" if cfg.draft_model else "no head")
+    lines = [f"# Fastest speculative setting: {cfg.target} + {drafter}", "",
              f"{r.num_prompts} prompts from `{cfg.data}`, {d.max_new_tokens} new tokens, "
              + (f"temperature {d.temperature}" if d.temperature > 0 else "greedy")
              + f", {torch.get_num_threads()} threads. Plain decoding: {r.baseline_tokens_per_s:.1f} tokens/s.", "",

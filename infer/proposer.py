@@ -272,8 +272,8 @@ class ModelProposer:
         self.model, self.vocab = model, target.vocab_size
         self.cache, self.text = TargetCache(), []
 
-    def reset(self, prompt_ids: list[int] | None = None) -> None:
-        self.cache, self.text = TargetCache(), list(prompt_ids or [])[:1]  # the pairs start at the second token
+    def reset(self, prompt_ids: list[int]) -> None:
+        self.cache, self.text = TargetCache(), list(prompt_ids)[:1]  # the pairs start at the second token
 
     def rollback(self, n: int) -> None:
         self.cache.crop(n + 1)
@@ -290,7 +290,7 @@ class ModelProposer:
         for _ in range(k):
             pos = torch.arange(start, start + ids.shape[1], device=m.device)[None]
             logits = m.logits(m.features(ids, position_ids=pos, cache=self.cache.hf)[0, -1])[: self.vocab]
-            if generator is None:
+            if cfg.temperature <= 0:
                 tok = int(logits.argmax())
             else:
                 q = process(logits[None], cfg.temperature, cfg.sampling_top_k, cfg.top_p)[0].cpu()

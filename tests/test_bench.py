@@ -25,6 +25,8 @@ def test_candidates_cover_the_sweep():
     assert [c.name for c in candidates(cfg, has_head=False)] == ["lookup 5 (no head)"]
     dyn = candidates(cfg, has_head=True)[5]
     assert dyn.settings == dict(mode="dynamic", top_k=4, depth=3, total_tokens=8, prompt_lookup_num_tokens=5)
+    # the head's drafts alone say so: a base config with lookup on must not leak into them
+    assert candidates(cfg, has_head=True)[0].settings["prompt_lookup_num_tokens"] == 0
 
 
 @pytest.mark.parametrize("bad,msg", [

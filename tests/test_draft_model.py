@@ -46,6 +46,9 @@ def test_another_model_drafting_is_lossless(target, baseline, cfg):
     dec = SpeculativeDecoder.from_pretrained(target, draft_model=tiny_target(seed=5))
     out = dec.generate(PROMPT, 40, **cfg)
     assert out.token_ids == baseline.token_ids
+    import torch
+
+    assert dec.generate(PROMPT, 40, generator=torch.Generator(), **cfg).token_ids == baseline.token_ids  # greedy
     again = dec.generate(PROMPT, 40, **cfg)  # the proposer starts over: same rounds
     assert again.accept_lengths == out.accept_lengths
 

@@ -129,3 +129,8 @@ def test_export_cli_writes_the_layout(target, tmp_path, capsys):
     assert main(["export", "--draft", str(tmp_path / "ours"), "--out", str(tmp_path / "pub")]) == 0
     assert (tmp_path / "pub/model.safetensors").exists() and "published EAGLE layout" in capsys.readouterr().out
     assert main(["export", "--draft", str(tmp_path / "nothing"), "--out", str(tmp_path / "p2")]) == 2
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run/log.jsonl").write_text("{}")
+    assert main(["export", "--draft", str(tmp_path / "ours"), "--out", str(tmp_path / "run")]) == 2  # not a head
+    assert (tmp_path / "run/log.jsonl").exists() and "not a head directory" in capsys.readouterr().err
+    assert main(["export", "--draft", str(tmp_path / "ours"), "--out", str(tmp_path / "pub")]) == 0  # replaced

@@ -554,7 +554,7 @@ def train(cfg: TrainConfig, target: TargetModel | None = None) -> dict:
     steps_per_epoch = len(make_batches([r[0].shape[0] for r in rows], cfg.optim.batch_tokens, torch.Generator()))
     limit_s = cfg.budget.minutes * 60
     max_steps = cfg.budget.max_steps or (int(cfg.budget.epochs * steps_per_epoch) if cfg.budget.epochs else 0)
-    log = RunLog(run, cfg.tensorboard)
+    log = RunLog(run, cfg.tensorboard, resume_step=state["step"])
     print(f"{len(rows)} train rows ({sum(r[0].shape[0] for r in rows)} tokens), {len(val_rows)} val rows, "
           f"{steps_per_epoch} steps/epoch; target features in {feat_s:.1f}s; resuming at step {state['step']}"
           if state["step"] else f"{len(rows)} train rows, {len(val_rows)} val rows, {steps_per_epoch} steps/epoch; "
@@ -599,6 +599,7 @@ def train(cfg: TrainConfig, target: TargetModel | None = None) -> dict:
                                     f.to(accelerator.device, dtype), cfg, gen)
             if not math.isfinite(m["loss"]):
                 bar.close()
+                log.close()
                 raise TrainError(f"loss is {m['loss']} at step {state['step']} (batch {b} of epoch "
                                  f"{state['epoch']}); the last good checkpoint is in {run / 'checkpoint'}")
             opt.zero_grad(set_to_none=True)

@@ -11,7 +11,8 @@ from pathlib import Path
 
 
 class RunLog:
-    def __init__(self, run: Path, tensorboard: bool):
+    def __init__(self, run: Path, tensorboard: bool, resume_step: int = 0):
+        """`resume_step`: a resumed run's step; TensorBoard drops what an earlier run logged after it."""
         self.file = open(run / "log.jsonl", "a")
         self.tb = None
         if tensorboard:
@@ -21,7 +22,7 @@ class RunLog:
                 print("note: tensorboard=true, but the tensorboard package is not installed (pip install tensorboard): "
                       "logging to log.jsonl only")
             else:
-                self.tb = SummaryWriter(str(run / "tensorboard"))
+                self.tb = SummaryWriter(str(run / "tensorboard"), purge_step=resume_step or None)
 
     def write(self, rec: dict, group: str) -> None:
         """`rec` holds `step`; its numbers (and lists of numbers, one scalar per index) go to TensorBoard under
