@@ -9,7 +9,8 @@ not with a `draft_model`, which drafts chains only), each of them also with a pr
 `sweep_lookup`, and prompt lookup alone; without a head or draft model, prompt lookup alone only. Every other
 decoding option (temperature, max_new_tokens, ...) is the base all candidates share. For every prompt, plain
 decoding and every candidate run back to back, in an order reversed every other prompt, so machine noise hits them
-alike; speeds compare only within one run.
+alike; speeds compare only within one run. After `prune_after` prompts, candidates slower than `prune_below` x the
+fastest stop (each speedup is against plain decoding on the prompts the candidate ran).
 
 Writes `bench.json` (every candidate, fastest first, and the best as settings and as command-line flags) and
 `bench.md`. The best is the fastest candidate whose greedy outputs equalled plain decoding's on every prompt; with
@@ -45,6 +46,9 @@ class BenchConfig:
     sweep_dynamic: list[str] = field(default_factory=lambda: ["2:3:4", "4:3:8", "4:4:8", "8:4:16"])
     sweep_lookup: list[int] = field(default_factory=lambda: [0, 8])  # 0: the head's drafts alone
     warmup: int = 1  # prompts decoded once by every candidate, unmeasured, before timing starts
+    # after this many prompts, candidates slower than prune_below x the fastest stop (0: every candidate runs all)
+    prune_after: int = 2
+    prune_below: float = 0.8
     num_threads: int = 0
 
 
@@ -59,13 +63,14 @@ class Candidate:
     draft_ms: float = 0.0  # per round
     verify_ms: float = 0.0
     head: bool = True  # drafts with the head (False: prompt lookup alone, run without --draft)
+    prompts: int = 0  # prompts it ran: all of them, or prune_after when it was pruned
 
 
 @dataclass
 class BenchReport:
     num_prompts: int
     baseline_tokens_per_s: float
-    candidates: list[Candidate]  # fastest first
+    candidates: list[Candidate]  # fastest first; those pruned after `prune_after` prompts after the rest
     best: Candidate | None  # None: no lossless candidate beat plain decoding
     flags: str  # the best's settings as `eagle eval` / `eagle generate` flags
 
@@ -130,27 +135,37 @@ def bench(cfg: BenchConfig, decoder: SpeculativeDecoder | None = None) -> BenchR
         for c in [None] + cands:
             run(c, p["prompt"], -1, min(n, 16))
     stats = {c.name: [0, 0.0, 0, 0, 0.0, 0.0, 0] for c in cands}  # tokens, s, emitted, rounds, draft, verify, same
-    base_tokens, base_s = 0, 0.0
+    base_runs: list[tuple[int, float]] = []  # plain decoding's (tokens, seconds) on each prompt
+    active = list(cands)
     for i, p in enumerate(prompts):
         base = run(None, p["prompt"], i)
-        base_tokens, base_s = base_tokens + len(base.token_ids), base_s + base.total_s
-        for c in cands if i % 2 == 0 else cands[::-1]:
+        base_runs.append((len(base.token_ids), base.total_s))
+        for c in active if i % 2 == 0 else active[::-1]:
             out = run(c, p["prompt"], i)
             st = stats[c.name]
             for j, v in enumerate((len(out.token_ids), out.total_s, sum(out.accept_lengths) + out.rounds,
                                    out.rounds, out.draft_s, out.verify_s, out.token_ids == base.token_ids)):
                 st[j] += v
+            c.prompts += 1
+        speed = {c.name: stats[c.name][0] / stats[c.name][1] for c in active}
+        if i + 1 == cfg.prune_after and i + 1 < len(prompts):
+            top = max(speed.values())
+            active = [c for c in active if speed[c.name] >= cfg.prune_below * top]
+            print(f"after {i + 1} prompts: {len(cands) - len(active)} of {len(cands)} candidates slower than "
+                  f"{cfg.prune_below} x the fastest stop", flush=True)
         print(f"[{i + 1}/{len(prompts)}] plain {base.tokens_per_s:.1f} tok/s; fastest so far: "
-              f"{max(cands, key=lambda c: stats[c.name][0] / stats[c.name][1]).name}", flush=True)
-    base_tps = base_tokens / base_s
-    for c in cands:
+              f"{max(active, key=lambda c: speed[c.name]).name}", flush=True)
+    for c in cands:  # each against plain decoding on the prompts it ran
         tokens, s, emitted, rounds, draft, verify, same = stats[c.name]
+        base_tokens, base_s = (sum(x) for x in zip(*base_runs[: c.prompts]))
         c.tokens_per_s, c.tau = tokens / s, emitted / max(rounds, 1)
-        c.speedup = c.tokens_per_s / base_tps
-        c.identical = None if sampling else same / len(prompts)
+        c.speedup = c.tokens_per_s / (base_tokens / base_s)
+        c.identical = None if sampling else same / c.prompts
         c.draft_ms, c.verify_ms = 1e3 * draft / max(rounds, 1), 1e3 * verify / max(rounds, 1)
-    cands.sort(key=lambda c: -c.tokens_per_s)
-    best = next((c for c in cands if c.identical in (None, 1.0) and c.speedup > 1.0), None)
+    cands.sort(key=lambda c: (-c.prompts, -c.tokens_per_s))  # those that ran every prompt first
+    base_tps = sum(t for t, _ in base_runs) / sum(s for _, s in base_runs)
+    best = next((c for c in cands if c.prompts == len(prompts) and c.identical in (None, 1.0) and c.speedup > 1.0),
+                None)
     report = BenchReport(len(prompts), base_tps, cands, best, "" if best is None else flags(best.settings))
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -166,12 +181,15 @@ def markdown(r: BenchReport, cfg: BenchConfig) -> str:
              f"{r.num_prompts} prompts from `{cfg.data}`, {d.max_new_tokens} new tokens, "
              + (f"temperature {d.temperature}" if d.temperature > 0 else "greedy")
              + f", {torch.get_num_threads()} threads. Plain decoding: {r.baseline_tokens_per_s:.1f} tokens/s.", "",
-             "| setting | tau | tokens/s | speedup | draft / verify ms a round | identical to plain |",
-             "|---|---|---|---|---|---|"]
+             "| setting | prompts | tau | tokens/s | speedup | draft / verify ms a round | identical to plain |",
+             "|---|---|---|---|---|---|---|"]
     for c in r.candidates:
-        lines.append(f"| {c.name} | {c.tau:.2f} | {c.tokens_per_s:.1f} | {c.speedup:.2f}x | "
+        lines.append(f"| {c.name} | {c.prompts} | {c.tau:.2f} | {c.tokens_per_s:.1f} | {c.speedup:.2f}x | "
                      f"{c.draft_ms:.1f} / {c.verify_ms:.1f} | "
                      f"{'n/a' if c.identical is None else format(c.identical, '.2f')} |")
+    if any(c.prompts < r.num_prompts for c in r.candidates):
+        lines += ["", f"Candidates with fewer prompts were slower than {cfg.prune_below} x the fastest after "
+                  f"{cfg.prune_after} prompts and stopped there (`--prune-after 0` runs every candidate on all)."]
     if r.best is None:
         lines += ["", "No candidate beat plain decoding on this machine.", ""]
     else:

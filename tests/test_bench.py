@@ -51,9 +51,9 @@ def test_bench_measures_every_candidate_and_names_the_fastest_lossless_one(tmp_p
     dec = SpeculativeDecoder(t, tiny_head(t))
     cfg = BenchConfig(target="tiny", draft="random", data=_prompts(tmp_path), out=str(tmp_path / "b"),
                       num_prompts=3, decode=DecodeConfig(max_new_tokens=10), sweep_k=[1, 2],
-                      sweep_dynamic=["2:2:4"], sweep_lookup=[0, 3])
+                      sweep_dynamic=["2:2:4"], sweep_lookup=[0, 3], prune_after=0)
     r = bench(cfg, decoder=dec)
-    assert len(r.candidates) == 7 and r.num_prompts == 3
+    assert len(r.candidates) == 7 and r.num_prompts == 3 and all(c.prompts == 3 for c in r.candidates)
     speeds = [c.tokens_per_s for c in r.candidates]
     assert speeds == sorted(speeds, reverse=True)
     assert all(c.identical == 1.0 and c.tau >= 1.0 for c in r.candidates)  # every candidate is lossless
@@ -91,3 +91,15 @@ def test_bench_with_a_draft_model_sweeps_chains_only(tmp_path):
     r = bench(cfg, decoder=dec)
     assert sorted(c.name for c in r.candidates) == ["chain k=1", "chain k=2"]
     assert all(c.identical == 1.0 for c in r.candidates)
+
+
+def test_pruning_stops_the_slow_candidates_and_keeps_them_in_the_report(tmp_path):
+    t = tiny_target()
+    dec = SpeculativeDecoder(t, tiny_head(t))
+    cfg = BenchConfig(target="tiny", draft="random", data=_prompts(tmp_path), out=str(tmp_path / "b"),
+                      num_prompts=3, decode=DecodeConfig(max_new_tokens=10), sweep_k=[1, 2, 3],
+                      sweep_dynamic=[], sweep_lookup=[0], prune_after=1, prune_below=1.0)  # only the fastest goes on
+    r = bench(cfg, decoder=dec)
+    assert [c.prompts for c in r.candidates] == [3, 1, 1]
+    assert r.best in (r.candidates[0], None)
+    assert "stopped there" in (tmp_path / "b/bench.md").read_text()
