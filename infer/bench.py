@@ -48,7 +48,7 @@ class BenchConfig:
     warmup: int = 1  # prompts decoded once by every candidate, unmeasured, before timing starts
     # after this many prompts, candidates slower than prune_below x the fastest stop (0: every candidate runs all)
     prune_after: int = 2
-    prune_below: float = 0.8
+    prune_below: float = 0.7  # lenient: two prompts are noisy here (at 0.8 chain k = 2 was once dropped on noise)
     num_threads: int = 0
 
 
