@@ -33,7 +33,8 @@ from pathlib import Path
 
 import torch
 
-from eagle import EagleHead, HeadCache, TargetModel
+from eagle import EagleHead, HeadCache, TargetModel, cpukernel
+from eagle.fastlinear import kernel_rows
 from infer import tree
 from infer.cache import TargetCache
 from infer.sampling import gumbel_top, process
@@ -289,11 +290,11 @@ class ModelProposer:
         drafts, q_rows = [], []
         for _ in range(k):
             pos = torch.arange(start, start + ids.shape[1], device=m.device)[None]
-            logits = m.logits(m.features(ids, position_ids=pos, cache=self.cache.hf)[0, -1])[: self.vocab]
+            h = m.features(ids, position_ids=pos, cache=self.cache.hf)[0, -1]
             if cfg.temperature <= 0:
-                tok = int(logits.argmax())
+                tok = self._greedy(h, cfg.screen_argmax)
             else:
-                q = process(logits[None], cfg.temperature, cfg.sampling_top_k, cfg.top_p)[0].cpu()
+                q = process(m.logits(h)[: self.vocab][None], cfg.temperature, cfg.sampling_top_k, cfg.top_p)[0].cpu()
                 q = torch.nn.functional.pad(q, (0, self.vocab - q.shape[0]))
                 tok = int(torch.multinomial(q, 1, generator=generator))
                 q_rows.append(q)
@@ -302,6 +303,16 @@ class ModelProposer:
             ids = torch.tensor([[tok]], device=m.device)
         q = torch.cat([torch.stack(q_rows), torch.zeros(1, self.vocab)]) if q_rows else None
         return Draft(torch.tensor([tokens[0, -1].item()] + drafts, device=tokens.device), tree.chain(k), q)
+
+    def _greedy(self, h: torch.Tensor, screen: bool) -> int:
+        """The draft model's greedy token after features h [H]: through the int8 screen where its lm_head runs in
+        the kernel (the same token, bit for bit: `cpukernel.screen_argmax`), else the argmax of its logits."""
+        m, lm = self.model, self.model.lm_head
+        if (screen and h.dtype == torch.float32 and h.is_cpu and isinstance(lm, torch.nn.Linear) and lm.bias is None
+                and not m.softcap and lm.weight.shape[0] == self.vocab and not lm.weight.requires_grad
+                and cpukernel.available() and cpukernel.supports(lm.weight) and kernel_rows(lm, 1)):
+            return int(cpukernel.screen_argmax(h.view(1, -1), lm.weight)[0])
+        return int(m.logits(h)[: self.vocab].argmax())
 
 
 class NgramIndex:
