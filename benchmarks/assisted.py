@@ -14,28 +14,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 
-import torch
-
-from chain import hf_generate  # benchmarks/chain.py: transformers' generate as users run it
+from chain import hf_generate  # benchmarks/chain.py: transformers' generate (and assisted) as users run it
 from eagle import load_target
-from eagle.attention import use_gqa_sdpa
-from eagle.fastlinear import disable_fast_linear
 from infer import SpeculativeDecoder
 from infer.evaluate import load_prompts
-
-
-def hf_assisted(target, assistant, ids: list[int], n: int) -> tuple[list[int], float]:
-    for m in (target, assistant):
-        disable_fast_linear(m.model)
-        use_gqa_sdpa(m.model, False)
-    x = torch.tensor([ids])
-    t0 = time.perf_counter()
-    out = target.model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False,
-                                assistant_model=assistant.model, pad_token_id=target.tokenizer.pad_token_id,
-                                eos_token_id=target.eos_ids)
-    return out[0, len(ids):].tolist(), time.perf_counter() - t0
 
 
 def main() -> None:
@@ -60,12 +43,12 @@ def main() -> None:
     warm = dec.encode(prompts[0]["prompt"])
     dec.generate(warm, 8, speculative=False)
     hf_generate(target, warm, 8)
-    hf_assisted(target, draft, warm, 8)
+    hf_generate(target, warm, 8, assistant=draft)
     for i, p in enumerate(prompts):
         ids = dec.encode(p["prompt"])
         base = dec.generate(ids, n, speculative=False)
         runs = {"engine_greedy": (base.token_ids, base.total_s), "hf_generate": hf_generate(target, ids, n),
-                "hf_assisted": hf_assisted(target, draft, ids, n)}
+                "hf_assisted": hf_generate(target, ids, n, assistant=draft)}
         for m, k in ours.items():
             out = dec.generate(ids, n, num_speculative_tokens=k)
             runs[m] = (out.token_ids, out.total_s)

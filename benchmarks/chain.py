@@ -30,11 +30,16 @@ from infer import SpeculativeDecoder
 from infer.evaluate import load_prompts
 
 
-def hf_generate(target, ids: list[int], n: int, lookup: int = 0) -> tuple[list[int], float]:
-    disable_fast_linear(target.model)  # transformers as users run it; our decoder re-enables its fast path
-    use_gqa_sdpa(target.model, False)
+def hf_generate(target, ids: list[int], n: int, lookup: int = 0, assistant=None) -> tuple[list[int], float]:
+    """transformers' greedy `generate`, with its prompt lookup (`lookup` tokens) or assisted generation (`assistant`,
+    a TargetModel) if asked."""
+    for m in (target, assistant or target):
+        disable_fast_linear(m.model)  # transformers as users run it; our decoder re-enables its fast path
+        use_gqa_sdpa(m.model, False)
     x = torch.tensor([ids])
     kw = {"prompt_lookup_num_tokens": lookup} if lookup else {}
+    if assistant is not None:
+        kw["assistant_model"] = assistant.model
     t0 = time.perf_counter()
     out = target.model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False,
                                 pad_token_id=target.tokenizer.pad_token_id, eos_token_id=target.eos_ids, **kw)

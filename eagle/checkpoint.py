@@ -23,16 +23,21 @@ class CheckpointError(ValueError):
 
 
 def save_head(head: EagleHead, path, extra: dict | None = None) -> None:
-    """Write config.json + model.safetensors into a temporary sibling, then rename it into place."""
+    cfg = dataclasses.asdict(head.config)
+    if extra:
+        cfg["extra"] = extra
+    state = {k: v.detach().contiguous().cpu() for k, v in head.trainable_state_dict().items()}
+    write_head_dir(path, cfg, state)
+
+
+def write_head_dir(path, config: dict, state: dict[str, torch.Tensor]) -> None:
+    """Write config.json + model.safetensors into a temporary sibling, then rename it into place (a directory
+    already there is moved aside first and removed after)."""
     path = Path(path)
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    cfg = dataclasses.asdict(head.config)
-    if extra:
-        cfg["extra"] = extra
-    (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
-    state = {k: v.detach().contiguous().cpu() for k, v in head.trainable_state_dict().items()}
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
     save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     old = path.with_name(path.name + f".old{os.getpid()}")
     if path.exists():
@@ -61,9 +66,10 @@ def _read_raw(path: Path) -> dict:
     return raw
 
 
-def read_config(path) -> HeadConfig:
+def read_config(path, raw: dict | None = None) -> HeadConfig:
+    """Our head config of directory `path` (`raw`: its config.json, when already read)."""
     path = Path(path)
-    raw = _upgrade(_read_raw(path))
+    raw = _upgrade(_read_raw(path) if raw is None else raw)
     known = {fld.name for fld in dataclasses.fields(HeadConfig)}
     unknown = sorted(set(raw) - known)
     if unknown:
@@ -87,10 +93,11 @@ def load_head(path, device="cpu", dtype=torch.float32, target=None) -> EagleHead
     path = Path(path)
     from eagle.interop import is_published, read_published
 
-    if is_published(_read_raw(path)):
-        cfg, state = read_published(path, target)
+    raw = _read_raw(path)
+    if is_published(raw):
+        cfg, state = read_published(path, raw, target)
     else:
-        cfg = read_config(path)
+        cfg = read_config(path, raw)
         weights = path / "model.safetensors"
         if not weights.exists():
             raise CheckpointError(f"draft head {str(path)!r}: no model.safetensors")

@@ -16,16 +16,13 @@ target's embedding (`embed_tokens.weight`) and rotary buffers are ignored: ours 
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
 import warnings
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
-from eagle.checkpoint import CheckpointError
+from eagle.checkpoint import CheckpointError, write_head_dir
 from eagle.head import EagleHead, HeadConfig, eagle3_layers
 
 IGNORED = ("embed_tokens.", "rotary_emb.")  # shared with the target, or recomputed
@@ -54,11 +51,10 @@ def _need(raw: dict, key: str, path: Path):
     return raw[key]
 
 
-def read_published(path, target=None) -> tuple[HeadConfig, dict[str, torch.Tensor]]:
-    """(our config, weights under our names) of a head directory in a published layout. `target` (a TargetModel)
-    supplies EAGLE-3's default fused layers when the config names none."""
+def read_published(path, raw: dict, target=None) -> tuple[HeadConfig, dict[str, torch.Tensor]]:
+    """(our config, weights under our names) of a head directory in a published layout, `raw` its config.json.
+    `target` (a TargetModel) supplies EAGLE-3's default fused layers when the config names none."""
     path = Path(path)
-    raw = json.loads((path / "config.json").read_text())
     state = {k: v for k, v in _read_weights(path).items() if not any(s in k for s in IGNORED)}
     eagle3 = "LlamaForCausalLMEagle3" in (raw.get("architectures") or []) or any(
         k.startswith("midlayer.") for k in state)
@@ -150,13 +146,5 @@ def export_published(head: EagleHead, out) -> list[str]:
     if out.exists() and any(out.iterdir()) and not (out / "config.json").exists():
         raise CheckpointError(f"export to {str(out)!r}: the directory exists and is not a head directory; "
                               "name a new one")
-    tmp, old = out.with_name(out.name + f".tmp{os.getpid()}"), out.with_name(out.name + f".old{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    (tmp / "config.json").write_text(json.dumps(raw, indent=2))
-    save_file(out_state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    if out.exists():
-        os.replace(out, old)
-    os.replace(tmp, out)
-    shutil.rmtree(old, ignore_errors=True)
+    write_head_dir(out, raw, out_state)
     return notes

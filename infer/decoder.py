@@ -23,11 +23,11 @@ import torch
 from eagle import EagleHead, TargetModel, load_target
 from eagle import cpukernel
 from eagle.attention import use_gqa_sdpa
-from eagle.fastlinear import disable_fast_linear, enable_fast_linear, fast_linear_enabled, kernel_rows
+from eagle.fastlinear import disable_fast_linear, enable_fast_linear, fast_linear_enabled
 from infer import tree
 from infer.cache import TargetCache
 from infer.proposer import Draft, EagleProposer, LookupProposer, ModelProposer
-from infer.sampling import accept_greedy, accept_sampled, process, sample
+from infer.sampling import accept_greedy, accept_sampled, greedy_tokens, process, sample, screen_fits
 
 
 @dataclass
@@ -141,8 +141,7 @@ class SpeculativeDecoder:
         call it with the config's `fast_linear`; call it yourself to time the target's passes as decoding runs them."""
         use_gqa_sdpa(self.target.model, on)
         lm = self.target.lm_head
-        self._screen = (on and isinstance(lm, torch.nn.Linear) and lm.bias is None and not self.target.softcap
-                        and cpukernel.supports(lm.weight) and cpukernel.available())
+        self._screen = on and screen_fits(self.target)
         if self._screen:
             cpukernel.screen_tables(lm.weight)  # made now (~1 s for SmolLM2), not in the first timed token
         draft_model = getattr(self.proposer, "model", None)  # a ModelProposer's small LM
@@ -270,12 +269,7 @@ class SpeculativeDecoder:
         """The target's greedy tokens for features [..., hidden], as decoding takes them: with `screen` and the fast
         path on, through the int8 screen where the fast path multiplies this many rows by the lm_head in the kernel
         (the same tokens, bit for bit: `cpukernel.screen_argmax`), else the argmax of the logits."""
-        lm = self.target.lm_head
-        if (screen and self._screen and feats.dtype == torch.float32 and feats.is_cpu
-                and not (torch.is_grad_enabled() and (feats.requires_grad or lm.weight.requires_grad))
-                and kernel_rows(lm, feats.numel() // feats.shape[-1])):
-            return cpukernel.screen_argmax(feats, lm.weight)
-        return self.target.logits(feats).argmax(-1)
+        return greedy_tokens(self.target, feats, screen and self._screen)
 
     def _next_token(self, feats: torch.Tensor, cfg: DecodeConfig, generator) -> torch.Tensor:
         """The target's token after one row of features: its argmax, or a draw from p."""

@@ -33,11 +33,10 @@ from pathlib import Path
 
 import torch
 
-from eagle import EagleHead, HeadCache, TargetModel, cpukernel
-from eagle.fastlinear import kernel_rows
+from eagle import EagleHead, HeadCache, TargetModel
 from infer import tree
 from infer.cache import TargetCache
-from infer.sampling import gumbel_top, process
+from infer.sampling import greedy_tokens, gumbel_top, process, screen_fits
 
 
 @dataclass
@@ -305,13 +304,11 @@ class ModelProposer:
         return Draft(torch.tensor([tokens[0, -1].item()] + drafts, device=tokens.device), tree.chain(k), q)
 
     def _greedy(self, h: torch.Tensor, screen: bool) -> int:
-        """The draft model's greedy token after features h [H]: through the int8 screen where its lm_head runs in
-        the kernel (the same token, bit for bit: `cpukernel.screen_argmax`), else the argmax of its logits."""
-        m, lm = self.model, self.model.lm_head
-        if (screen and h.dtype == torch.float32 and h.is_cpu and isinstance(lm, torch.nn.Linear) and lm.bias is None
-                and not m.softcap and lm.weight.shape[0] == self.vocab and not lm.weight.requires_grad
-                and cpukernel.available() and cpukernel.supports(lm.weight) and kernel_rows(lm, 1)):
-            return int(cpukernel.screen_argmax(h.view(1, -1), lm.weight)[0])
+        """The draft model's greedy token after features h [H], through the int8 screen where it can
+        (`sampling.greedy_tokens`) when its vocabulary is the target's."""
+        m = self.model
+        if m.vocab_size == self.vocab:
+            return int(greedy_tokens(m, h.view(1, -1), screen and screen_fits(m))[0])
         return int(m.logits(h)[: self.vocab].argmax())
 
 

@@ -1,4 +1,4 @@
-"""Distributions and acceptance: greedy matching, and lossless rejection sampling over chains and trees.
+"""Distributions and acceptance: greedy tokens and matching, and lossless rejection sampling over chains and trees.
 
 Paper notation: p is the target, q the draft. `process` turns logits into the sampling distribution (temperature,
 top-k, top-p), applied alike to p and q. `accept_greedy` keeps the deepest node whose root path agrees with the
@@ -16,6 +16,9 @@ next one exactly the distribution it must reproduce, so the node's emitted token
 from __future__ import annotations
 
 import torch
+
+from eagle import TargetModel, cpukernel
+from eagle.fastlinear import kernel_rows
 
 
 def process(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
@@ -43,6 +46,26 @@ def gumbel_top(logq: torch.Tensor, m: int, generator: torch.Generator | None) ->
     u = torch.rand(logq.shape, generator=generator, dtype=torch.float32).clamp_(1e-20, 1.0)
     keys = logq.float() - torch.log(-torch.log(u))
     return keys.topk(m, dim=-1).indices
+
+
+def screen_fits(model: TargetModel) -> bool:
+    """Whether `model`'s lm_head can give greedy tokens through the int8 screen (`cpukernel.screen_argmax`): a
+    plain bias-free linear layer the kernel supports, no logit soft-capping."""
+    lm = model.lm_head
+    return (isinstance(lm, torch.nn.Linear) and lm.bias is None and not model.softcap and cpukernel.available()
+            and cpukernel.supports(lm.weight))
+
+
+def greedy_tokens(model: TargetModel, feats: torch.Tensor, screen: bool) -> torch.Tensor:
+    """`model`'s greedy tokens for features [..., hidden]: with `screen` (the caller checked `screen_fits`), through
+    the int8 screen where the fast path multiplies this many rows by the lm_head in the kernel (the same tokens,
+    bit for bit), else the argmax of the logits."""
+    lm = model.lm_head
+    if (screen and feats.dtype == torch.float32 and feats.is_cpu
+            and not (torch.is_grad_enabled() and (feats.requires_grad or lm.weight.requires_grad))
+            and kernel_rows(lm, feats.numel() // feats.shape[-1])):
+        return cpukernel.screen_argmax(feats, lm.weight)
+    return model.logits(feats).argmax(-1)
 
 
 def accept_greedy(tokens: torch.Tensor, predicted: torch.Tensor, parents: torch.Tensor,

@@ -143,7 +143,7 @@ def cached_features(target: TargetModel, rows, prepared: Path, split: str, layer
             save_features(path, feats)
     if feats is None:
         width = target.hidden_size * (1 + len(layers or []))
-        size = sum(lengths) * width * torch.empty((), dtype=dtype).element_size()
+        size = sum(lengths) * width * dtype.itemsize
         print(f"target features ({split}): {sum(lengths):,} tokens x {width} {str(dtype).removeprefix('torch.')} "
               f"= {size / 2**20:,.1f} MiB, to be written to {path}")
         feats = target_features(target, rows, f"target features ({split})", layers, dtype)

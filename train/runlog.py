@@ -26,17 +26,19 @@ class RunLog:
 
     def write(self, rec: dict, group: str) -> None:
         """`rec` holds `step`; its numbers (and lists of numbers, one scalar per index) go to TensorBoard under
-        `group/` (train or val)."""
+        `group/` (train or val). Validation records are flushed at once; training steps buffer (the hot loop)."""
         self.file.write(json.dumps(rec) + "\n")
-        self.file.flush()
-        if self.tb is None:
-            return
-        for k, v in rec.items():
-            values = v if isinstance(v, list) else [v]
-            for i, x in enumerate(values):
-                if k != "step" and isinstance(x, (int, float)) and not isinstance(x, bool):
-                    self.tb.add_scalar(f"{group}/{k}" + (f"_{i + 1}" if isinstance(v, list) else ""), x, rec["step"])
-        self.tb.flush()
+        if self.tb is not None:
+            for k, v in rec.items():
+                values = v if isinstance(v, list) else [v]
+                for i, x in enumerate(values):
+                    if k != "step" and isinstance(x, (int, float)) and not isinstance(x, bool):
+                        self.tb.add_scalar(f"{group}/{k}" + (f"_{i + 1}" if isinstance(v, list) else ""), x,
+                                           rec["step"])
+        if group == "val":
+            self.file.flush()
+            if self.tb is not None:
+                self.tb.flush()
 
     def close(self) -> None:
         self.file.close()
