@@ -8,9 +8,10 @@ patched forwards. With `--kernel` the revision's C kernels (`eagle/cpukernel.py`
 each variant with the layout plan calibrated for its kernels:
 
     .venv/bin/python benchmarks/pass_ab.py --against HEAD --kernel --rows 1 2 4 8 16 32
- Three variants are timed, interleaved round by round (order reversed every other round), after
+ Four variants are timed, interleaved round by round (order reversed every other round), after
 a KV cache of --context tokens: the revision's, this tree's without its one-call decoder layers (each layer runs
-its patched norms, attention and MLP), and this tree's.
+its patched norms, attention and MLP), this tree's with each layer in one call but not all layers in one call
+(`cpukernel.decoder_stack`), and this tree's.
 The table shows ms per pass (features and logits of every row, speed.py's `pass_ms`) for each number of new
 tokens.
 """
@@ -57,10 +58,11 @@ def use_kernels_of(module) -> None:
     attention.cpukernel = module.cpukernel
 
 
-def unfuse_layers(model: torch.nn.Module) -> None:
-    """Drop the one-call decoder layer forwards (keeping every other patch: the layers run their patched parts)."""
+def unfuse(model: torch.nn.Module, layers: bool) -> None:
+    """Drop the one-call stack of all layers (the base model's forward) and, with `layers`, the one-call decoder layer
+    forwards too (keeping every other patch: the layers run their patched parts)."""
     for mod in model.modules():
-        if "_fast_module" in mod.__dict__ and hasattr(mod, "self_attn"):
+        if "_fast_module" in mod.__dict__ and ("_stack_rows" in mod.__dict__ or layers and hasattr(mod, "self_attn")):
             del mod.forward, mod._fast_module
 
 
@@ -87,8 +89,8 @@ def main() -> None:
         fastlinear.disable_fast_linear(target.model)
         use_kernels_of(old)
         plans[old] = old.load_or_calibrate(target.model, run=dec._calibration_pass)
-    variants = {args.against: (old, False), "this tree, layers not in one call": (fastlinear, True),
-                "this tree": (fastlinear, False)}
+    variants = {args.against: (old, None), "this tree, layers not in one call": (fastlinear, "layers"),
+                "this tree, each layer in one call": (fastlinear, "stack"), "this tree": (fastlinear, None)}
     times: dict[tuple[str, int], list[float]] = {(v, r): [] for v in variants for r in args.rows}
     for rnd in range(args.rounds):
         order = list(variants.items())
@@ -97,7 +99,7 @@ def main() -> None:
             use_kernels_of(module)
             module.enable_fast_linear(target.model, plans[module])
             if unfused:
-                unfuse_layers(target.model)
+                unfuse(target.model, layers=unfused == "layers")
             # pass_ms keeps these patches: use_fast_path(True) patches only a model that has none
             for rows, ms in pass_ms(dec, text, args.context, args.rows, args.passes, fast=True).items():
                 times[(name, rows)].append(ms)

@@ -651,6 +651,30 @@ void decoder_layer(const float *X, int64_t M, int64_t hid, const float *Wn1, flo
     for (int64_t i = 0; i < M * hid; i++) Y[i] = Hs[i] + T[i];
 }
 
+/* Every decoder layer of a model in one call: layer l runs decoder_layer on layer l - 1's output with its own
+   weights and cache buffers. P [L][15] holds each layer's addresses: input norm, post-attention norm, Wq, Bq, Wk,
+   Bk, Wv, Bv, Wo, Bo, G, U, Dn (packed), K, V; eps [L][2] its norms' epsilons; kv_sh [L] its caches' head strides.
+   The outputs alternate between A (scratch [M, hid]) and Y so that the last layer's lands in Y; with Keep
+   [L - 1][M, hid] not null, every other layer's output is copied there too. */
+void decoder_stack(const float *X, int64_t M, int64_t hid, int64_t L, const int64_t *P, const float *eps,
+                   const int64_t *kv_sh, int64_t H, int64_t Hkv, int64_t D, const float *cos, const float *sin,
+                   int64_t past, const void *mask, int mask_kind, int64_t mask_sm, float scale, int64_t inter,
+                   float *work, float *A, float *Y, float *Keep, int nthreads) {
+#define F_AT(i) ((const float *)(intptr_t)p[i])
+    const float *in = X;
+    for (int64_t l = 0; l < L; l++) {
+        const int64_t *p = P + 15 * l;
+        float *out = (L - 1 - l) % 2 == 0 ? Y : A;
+        decoder_layer(in, M, hid, F_AT(0), eps[2 * l], F_AT(1), eps[2 * l + 1], F_AT(2), F_AT(3), F_AT(4), F_AT(5),
+                      F_AT(6), F_AT(7), F_AT(8), F_AT(9), H, Hkv, D, cos, sin, (float *)(intptr_t)p[13],
+                      (float *)(intptr_t)p[14], kv_sh[l], past, mask, mask_kind, mask_sm, scale, F_AT(10), F_AT(11),
+                      F_AT(12), inter, work, out, nthreads);
+        if (Keep && l < L - 1) memcpy(Keep + l * M * hid, out, sizeof(float) * M * hid);
+        in = out;
+    }
+#undef F_AT
+}
+
 /* Greedy tokens read a quarter of the lm_head. Q holds W [out, in] in int8, packed as P is ([ceil(out / NB)][in][NB],
    q = round(w / s) with one scale s per output); C bounds, per output and per unit of |x|, how far the kernel's
    float32 logit L[o] (rows_linear: one FMA per input, in order) can lie from the int8 estimate A[o] = s[o] q[o] . x
@@ -975,12 +999,14 @@ def load(path: Path) -> ctypes.CDLL:
     lib.decoder_layer.argtypes = [vp, i64, i64, vp, ctypes.c_float, vp, ctypes.c_float, vp, vp, vp, vp, vp, vp, vp, vp,
                                   i64, i64, i64, vp, vp, vp, vp, i64, i64, vp, ctypes.c_int, i64, ctypes.c_float,
                                   vp, vp, vp, i64, vp, vp, ctypes.c_int]
+    lib.decoder_stack.argtypes = [vp, i64, i64, i64, vp, vp, vp, i64, i64, i64, vp, vp, i64, vp, ctypes.c_int, i64,
+                                  ctypes.c_float, i64, vp, vp, vp, vp, ctypes.c_int]
     lib.screen_argmax.argtypes = [vp, vp, vp, ctypes.c_double, ctypes.c_double, vp, vp, i64, i64, i64, vp, vp,
                                   vp, vp, vp, vp, ctypes.c_int]
     lib.screen_argmax.restype = i64
     lib.screen_pairs.argtypes, lib.screen_pairs.restype = [], ctypes.c_int
     for fn in (lib.rows_linear, lib.rows_gated, lib.rms_norm, lib.rope, lib.attend, lib.attention_block,
-               lib.decoder_layer):
+               lib.decoder_layer, lib.decoder_stack):
         fn.restype = None
     return lib
 
@@ -1286,4 +1312,31 @@ def decoder_layer(x: torch.Tensor, norms: tuple, projs: tuple, mlp: tuple, heads
         k_buf.data_ptr(), v_buf.data_ptr(), k_buf.stride(1), past, _ptr(mask), kind, mask_sm, scale,
         packed(mlp[0]), packed(mlp[1]), packed(mlp[2]), inter, work.data_ptr(), y.data_ptr(),
         torch.get_num_threads())
+    return y
+
+
+STACK_SLOTS = 15  # addresses per layer in a `decoder_stack` table
+
+
+def stack_weights(norm1: torch.Tensor, norm2: torch.Tensor, projs: tuple, mlp: tuple) -> list:
+    """One layer's weight addresses for a `decoder_stack` table (its first 13 slots): input norm, post-attention
+    norm, the attention's (packed weight, bias or 0) pairs, the packed gate, up and down weights."""
+    return [norm1.data_ptr(), norm2.data_ptr(), *(a or 0 for a in _projection_ptrs(projs)), *(packed(w) for w in mlp)]
+
+
+def decoder_stack(x: torch.Tensor, table: torch.Tensor, eps: torch.Tensor, kv_strides: torch.Tensor, heads: int,
+                  kv_heads: int, head_dim: int, inter: int, cos: torch.Tensor, sin: torch.Tensor, past: int,
+                  mask: torch.Tensor | None, scale: float, keep: torch.Tensor | None = None) -> torch.Tensor:
+    """Every layer of a Llama-style decoder in one C call: `decoder_layer` on each in turn, bit for bit.
+    table [L, STACK_SLOTS] int64 addresses (`stack_weights` + the layer's key and value buffers), eps [L, 2] float32,
+    kv_strides [L] int64 (each key buffer's stride(1)); keep: None or [L - 1, M, hidden], which receives every
+    layer's output but the last; the rest as `decoder_layer`. Returns the last layer's output [1, M, hidden]."""
+    m, hid = x.shape[1], x.shape[2]
+    y, spare = x.new_empty(1, m, hid), x.new_empty(1, m, hid)
+    work = _scratch(m * (3 * hid + inter + (2 * heads + 2 * kv_heads) * head_dim))
+    kind, mask_sm = _mask_rows(mask)
+    (_lib or library()).decoder_stack(
+        x.data_ptr(), m, hid, table.shape[0], table.data_ptr(), eps.data_ptr(), kv_strides.data_ptr(), heads,
+        kv_heads, head_dim, cos.data_ptr(), sin.data_ptr(), past, _ptr(mask), kind, mask_sm, scale, inter,
+        work.data_ptr(), spare.data_ptr(), y.data_ptr(), _ptr(keep), torch.get_num_threads())
     return y

@@ -23,7 +23,10 @@ rotary embedding in one C call, the products called directly): on this machine a
 overhead around the C calls was ~10 ms of ~60 (BENCHMARKS.md). A decoder layer whose two norms, attention and
 MLP are all patched runs in one C call (`cpukernel.decoder_layer`, bit for bit what its parts compute) for one
 sequence of up to 64 rows with a preallocated cache, after a check with random rows and a cache that it computes
-what the layer's own forward does; an attention module alone likewise (`cpukernel.attention_block`).
+what the layer's own forward does; an attention module alone likewise (`cpukernel.attention_block`). A base model
+(Llama-style: embedding, such layers, norm, rotary embedding, full attention) then runs all its layers in one C call
+(`cpukernel.decoder_stack`) for such passes, after a check that this gives its own forward's numbers bit for bit:
+the Python around 30 layer calls was ~4-5 ms of a ~32 ms SmolLM2 pass (BENCHMARKS.md).
 
 The plan is cached per machine, thread count, torch version, set of shapes and available layouts under
 `$EAGLE_CACHE/fastlinear/`.
@@ -54,6 +57,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from transformers import DynamicCache
+from transformers.modeling_outputs import BaseModelOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from eagle import cpukernel
@@ -500,7 +504,8 @@ def _plan_fused_attention(mod: nn.Module) -> None:
 
 
 LAYER_PARTS = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
-FUSED_ATTRS = ("_fast_eps", "_fused_rows", "_fused_dims", "_fused_params", "_fused_parts", "_fused_eps")
+FUSED_ATTRS = ("_fast_eps", "_fused_rows", "_fused_dims", "_fused_params", "_fused_parts", "_fused_eps",
+               "_stack_rows", "_stack_dims", "_stack_table")
 
 
 def _plan_fused_layer(mod: nn.Module) -> bool:
@@ -557,6 +562,158 @@ def _layer_same_as_stock(mod: nn.Module) -> bool:
     except (TypeError, ValueError, RuntimeError, AttributeError, IndexError, KeyError):
         return False  # a layer with another contract than Llama's keeps its own forward
     return True
+
+
+STACK_KWARGS = {"input_ids", "attention_mask", "position_ids", "cache", "past_key_values", "use_cache",
+                "output_hidden_states", "output_attentions", "return_dict", "cache_position"}
+
+
+def _plan_stack(mod: nn.Module) -> bool:
+    """Whether `mod` looks like a Llama-style base model whose decoder layers all run in one call each: an
+    `embed_tokens` embedding, a ModuleList `layers` of planned layers (`_plan_fused_layer`) with the same sizes and
+    layer indices 0, 1, ..., a `norm` and a `rotary_emb`, full attention in every layer; if so, keep for each row
+    count whether `_fast_stack_forward` may run every layer in one C call."""
+    layers, config = getattr(mod, "layers", None), getattr(mod, "config", None)
+    if not (isinstance(layers, nn.ModuleList) and len(layers) and isinstance(getattr(mod, "embed_tokens", None),
+                                                                             nn.Embedding)
+            and isinstance(getattr(mod, "norm", None), nn.Module) and isinstance(getattr(mod, "rotary_emb", None),
+                                                                                   nn.Module)
+            and all(isinstance(layer.__dict__.get("_fused_rows"), list) for layer in layers)):
+        return False
+    if (getattr(config, "num_hidden_layers", None) != len(layers) or getattr(config, "sliding_window", None)
+            or any(t != "full_attention" for t in getattr(config, "layer_types", None) or ())):
+        return False  # sliding-window layers need masks a one-row pass does not get
+    attns = [layer._fused_parts[0] for layer in layers]
+    sizes = {(a._fused_dims, float(a.scaling), layer._fused_parts[3]["weight"].shape)
+             for a, layer in zip(attns, layers)}
+    if len(sizes) != 1 or [a.layer_idx for a in attns] != list(range(len(layers))):
+        return False
+    (dims, scale, gate_shape), = sizes
+    mod._stack_dims = (*dims, gate_shape[0], scale)
+    mod._stack_rows = [all(layer._fused_rows[rows] for layer in layers) for rows in range(MAX_ROWS + 1)]
+    return True
+
+
+def _stack_table(mod: nn.Module, cache_layers: list) -> tuple:
+    """(addresses [L, STACK_SLOTS], epsilons [L, 2], key strides [L]) for `cpukernel.decoder_stack`: the weights'
+    part made again only when a weight changed in place or moved (as `cpukernel.packed` would)."""
+    weights = [w for layer in mod.layers for w in _stack_params(layer)]
+    try:
+        key = [(w._version, w.data_ptr()) for w in weights]
+    except RuntimeError:  # inference-mode weights have no version counter; they cannot change outside that mode
+        key = [w.data_ptr() for w in weights]
+    kept = mod.__dict__.get("_stack_table")
+    if kept is None or kept[0] != key:
+        rows = []
+        for layer in mod.layers:
+            attn, norm1, norm2, gate, up, down = layer._fused_parts
+            rows.append(cpukernel.stack_weights(norm1["weight"], norm2["weight"], _projections(attn),
+                                                (gate["weight"], up["weight"], down["weight"])))
+        eps = torch.tensor([layer._fused_eps for layer in mod.layers], dtype=torch.float32)
+        kept = mod._stack_table = (key, rows, eps)
+    _, rows, eps = kept
+    table = torch.tensor([row + [c._k.data_ptr(), c._v.data_ptr()] for row, c in zip(rows, cache_layers)],
+                         dtype=torch.int64)
+    return table, eps, torch.tensor([c._k.stride(1) for c in cache_layers], dtype=torch.int64)
+
+
+def _stack_params(layer: nn.Module) -> list:
+    attn, norm1, norm2, gate, up, down = layer._fused_parts
+    return [norm1["weight"], norm2["weight"], *(t for t in _projections(attn) if t is not None), gate["weight"],
+            up["weight"], down["weight"]]
+
+
+def _stack_call(mod: nn.Module, kwargs: dict):
+    """The base model's output with every decoder layer in one C call (`cpukernel.decoder_stack`) where that
+    computes what its own forward (with one call per layer) computes, else None: input ids of one sequence of at
+    most 64 rows with position ids, `gqa_sdpa` attention, a preallocated cache with room in every layer, the mask
+    `_cache_slot` takes, no attention weights asked for, no gradients."""
+    ids, pos = kwargs.get("input_ids"), kwargs.get("position_ids")
+    cache = kwargs["cache"] if "cache" in kwargs else kwargs.get("past_key_values")
+    mask = kwargs.get("attention_mask")
+    if (not set(kwargs) <= STACK_KWARGS or kwargs.get("use_cache") is False or kwargs.get("output_attentions")
+            or not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[0] != 1
+            or not 0 < ids.shape[1] <= MAX_ROWS or not mod._stack_rows[ids.shape[1]]
+            or not isinstance(pos, torch.Tensor) or pos.shape != ids.shape or torch.is_grad_enabled()
+            or not isinstance(cache, DynamicCache) or len(cache.layers) != len(mod.layers)
+            or _attn_implementation(mod.config) != ATTENTION_IMPLEMENTATION):
+        return None
+    m = ids.shape[1]
+    layers = cache.layers
+    first = layers[0]
+    if type(first) is not PreallocatedLayer or not first.is_initialized or first._k is None:
+        return None
+    past = first.keys.shape[-2]
+    for layer in layers:
+        if (type(layer) is not PreallocatedLayer or not layer.is_initialized or layer._k is None
+                or layer.keys.shape[-2] != past or layer._k.shape[0] != 1 or layer._k.shape[2] < past + m):
+            return None
+    if mask is None and m > 1:  # causal over the new rows, as transformers makes it after a cached past
+        if past == 0:
+            return None  # no mask at all there (sdpa's is_causal): the layers run their parts
+        mask = torch.ones(m, past + m, dtype=torch.bool).tril(past)[None, None]
+    if mask is not None and (mask.dim() != 4 or mask.shape[0] != 1 or mask.shape[1] != 1 or mask.shape[2] != m
+                             or mask.shape[3] < past + m or mask.dtype not in (torch.bool, torch.float32)
+                             or mask.stride(-1) != 1):
+        return None
+    x = mod.embed_tokens(ids)
+    cos, sin = mod.rotary_emb(x, position_ids=pos)
+    heads, kv_heads, d, inter, scale = mod._stack_dims
+    if (x.dtype != torch.float32 or not x.is_cpu or not x.is_contiguous() or cos.shape != (1, m, d)
+            or cos.dtype != torch.float32 or sin.shape != cos.shape
+            or not (cos.is_contiguous() and sin.is_contiguous())):
+        return None
+    table, eps, strides = _stack_table(mod, layers)
+    want = kwargs.get("output_hidden_states")
+    keep = x.new_empty(len(layers) - 1, 1, m, x.shape[2]) if (getattr(mod.config, "output_hidden_states", False)
+                                                              if want is None else want) else None
+    y = cpukernel.decoder_stack(x, table, eps, strides, heads, kv_heads, d, inter, cos, sin, past, mask, scale, keep)
+    for layer in layers:
+        layer.filled(past + m)
+    out = {"last_hidden_state": mod.norm(y)}
+    if keep is not None:  # as transformers' tuple: the embeddings, every layer's output, the last one normed
+        out["hidden_states"] = (x, *keep.unbind(0), out["last_hidden_state"])
+    out["cache" if "cache" in BaseModelOutputWithPast.__dataclass_fields__ else "past_key_values"] = cache
+    return BaseModelOutputWithPast(**out)
+
+
+def _fast_stack_forward(self: nn.Module, *args, **kwargs):
+    """A Llama-style base model's forward with all its decoder layers in one C call where `_stack_call` allows,
+    else its own forward (whose layers are patched themselves)."""
+    out = None if args else _stack_call(self, kwargs)
+    return out if out is not None else type(self).forward(self, *args, **kwargs)
+
+
+def _stack_same_as_stock(mod: nn.Module) -> bool:
+    """Whether the one-call stack gives exactly the base model's own forward (its layers one call each): three
+    rows after five cached positions with a tree mask, then one row without a mask (each where the stack takes
+    that many rows), on random token ids, each path with its own preallocated cache."""
+    gen = torch.Generator().manual_seed(0)
+    vocab = mod.embed_tokens.weight.shape[0]
+    ids = torch.randint(0, vocab, (1, 9), generator=gen)
+    cache_kw = "cache" if "cache" in inspect.signature(type(mod).forward).parameters else "past_key_values"
+    tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
+    mask = torch.cat([torch.ones(3, 5, dtype=torch.bool), tree], dim=1)[None, None]
+    steps = [(slice(0, 5), None), (slice(5, 8), mask), (slice(8, 9), None)]
+    checked = 0
+    try:
+        outs = []
+        for fused in (False, True):
+            cache, got = preallocated_cache(), []
+            with torch.no_grad():
+                for cut, m in steps:
+                    kw = {"input_ids": ids[:, cut], "position_ids": torch.arange(cut.start, cut.stop)[None],
+                          "attention_mask": m, cache_kw: cache, "use_cache": True}
+                    try_stack = fused and cut.start and mod._stack_rows[cut.stop - cut.start]
+                    out = _stack_call(mod, kw) if try_stack else None
+                    if try_stack and out is None:
+                        return False
+                    checked += bool(try_stack)
+                    got.append((out if out is not None else type(mod).forward(mod, **kw)).last_hidden_state)
+            outs.append(got)
+    except (TypeError, ValueError, RuntimeError, AttributeError, IndexError, KeyError):
+        return False
+    return checked > 0 and all(torch.equal(a, b) for a, b in zip(*outs))
 
 
 def _norm_eps(mod: nn.Module) -> float | None:
@@ -619,6 +776,14 @@ def _patch_modules(model: nn.Module) -> None:
         if "_fast_module" not in mod.__dict__ and _plan_fused_layer(mod):
             if _layer_same_as_stock(mod):
                 mod.forward, mod._fast_module = types.MethodType(_fast_layer_forward, mod), True
+            else:
+                _unplan(mod)
+    for mod in model.modules():  # base models whose decoder layers all run in one call each
+        if "_fast_module" not in mod.__dict__ and _plan_stack(mod):
+            # checked once per module: the check is of the code paths, and calibration patches a model many times
+            if mod.__dict__.get("_stack_checked") or _stack_same_as_stock(mod):
+                mod._stack_checked = True
+                mod.forward, mod._fast_module = types.MethodType(_fast_stack_forward, mod), True
             else:
                 _unplan(mod)
 

@@ -10,6 +10,7 @@ from eagle.fastlinear import (BUCKETS, LAYOUTS, Plan, calibrate, disable_fast_li
                               fast_linear_enabled, linear)
 from eagle.attention import use_gqa_sdpa
 from infer import SpeculativeDecoder
+from infer.cache import TargetCache
 from tests.tiny import tiny_head, tiny_target
 
 
@@ -149,6 +150,7 @@ def test_norms_and_gated_mlps_are_patched_only_where_the_kernel_matches_them():
                                                 {f"{m.weight.shape[0]}x{m.weight.shape[1]}" for m in
                                                  model.modules() if isinstance(m, nn.Linear)}}))
         patched = {type(m).__name__ for m in model.modules() if m.__dict__.get("_fast_module")}
+        # (the base model keeps its forward: its layers run in one call each only with gqa_sdpa attention)
         assert patched == {"LlamaRMSNorm", "LlamaMLP", "LlamaAttention", "LlamaDecoderLayer"}
         assert "forward" not in model.odd_norm.__dict__
         torch.testing.assert_close(model(ids).logits, want, rtol=1e-4, atol=1e-4)
@@ -194,6 +196,56 @@ def test_attention_modules_and_layers_are_patched_bit_for_bit_and_only_plain_one
     assert torch.equal(one_call_layers, stock) and torch.equal(fused_attention, stock)
     disable_fast_linear(target.model)
     use_gqa_sdpa(target.model, False)
+
+
+@pytest.mark.skipif(not cpukernel.available(), reason="the C kernel does not build here")
+def test_every_layer_in_one_call_gives_the_one_call_layers_bits():
+    # a base model whose decoder layers all run in one call each runs them all in one C call (decoder_stack) for
+    # tree-masked passes, causal passes after a cached past and one-row steps, with every layer's hidden states if
+    # asked (EAGLE-3): bit for bit the layers' own numbers
+    from tests.test_attention import _verify_logits
+
+    target = tiny_target(dtype=torch.float32, hidden=64, layers=3)
+    plan = Plan(layouts={f"{m.weight.shape[0]}x{m.weight.shape[1]}": {b: "kernel" for b in BUCKETS}
+                         for m in target.model.modules() if isinstance(m, nn.Linear)})
+    use_gqa_sdpa(target.model, True)
+    enable_fast_linear(target.model, plan)
+    base = target.model.model
+    assert base.__dict__.get("_fast_module") and base._stack_rows[1] and base._stack_rows[64]
+    g = torch.Generator().manual_seed(5)
+    prefix, nodes = torch.randint(0, 96, (1, 9), generator=g), torch.randint(0, 96, (1, 6), generator=g)
+    parents = torch.tensor([-1, 0, 0, 1, 2, 4])
+    stack, calls = cpukernel.decoder_stack, []
+    cpukernel.decoder_stack = lambda x, *a: calls.append(x.shape[1]) or stack(x, *a)
+    try:
+        with torch.no_grad():
+            tree_pass = _verify_logits(target, prefix, nodes, parents)
+            one_row = _verify_logits(target, prefix, nodes[:, :1], parents[:1])
+            cache = TargetCache()
+            target.features(prefix, position_ids=torch.arange(9)[None], cache=cache.hf)
+            feats, hidden = target.hidden(nodes[:, :1], position_ids=torch.tensor([[9]]), cache=cache.hf, layers=[1])
+            causal = target.features(nodes, position_ids=torch.arange(9, 15)[None], cache=_prefilled(target, prefix))
+            assert calls == [6, 1, 1, 6]  # the prefill has no mask (sdpa's is_causal): its layers run their parts
+            fast = base.__dict__.pop("forward")
+            assert torch.equal(_verify_logits(target, prefix, nodes, parents), tree_pass)
+            assert torch.equal(_verify_logits(target, prefix, nodes[:, :1], parents[:1]), one_row)
+            want = target.hidden(nodes[:, :1], position_ids=torch.tensor([[9]]), cache=_prefilled(target, prefix),
+                                 layers=[1])
+            assert torch.equal(want[0], feats) and torch.equal(want[1], hidden)
+            assert torch.equal(target.features(nodes, position_ids=torch.arange(9, 15)[None],
+                                               cache=_prefilled(target, prefix)), causal)
+            base.forward = fast
+    finally:
+        cpukernel.decoder_stack = stack
+    disable_fast_linear(target.model)
+    assert "forward" not in base.__dict__ and "_stack_rows" not in base.__dict__
+    use_gqa_sdpa(target.model, False)
+
+
+def _prefilled(target, prefix):
+    cache = TargetCache()  # the prefix read into a new cache
+    target.features(prefix, position_ids=torch.arange(prefix.shape[1])[None], cache=cache.hf)
+    return cache.hf
 
 
 @pytest.mark.skipif(not cpukernel.available(), reason="the C kernel does not build here")
