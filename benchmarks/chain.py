@@ -67,6 +67,9 @@ def main() -> None:
                          "its tree; and our prompt lookup of M tokens alone")
     ap.add_argument("--lookup-ngram", default="2,4", metavar="MIN,MAX",
                     help="suffix lengths our prompt lookup matches (prompt_lookup_min, prompt_lookup_max)")
+    ap.add_argument("--after-drafts", action="store_true",
+                    help="for every head method with a lookup branch, a twin that also continues each leaf of the "
+                         "head's tree with a lookup (prompt_lookup_after_drafts)")
     ap.add_argument("--baselines", action=argparse.BooleanOptionalAction, default=True,
                     help="also run transformers' generate and prompt lookup")
     args = ap.parse_args()
@@ -84,6 +87,9 @@ def main() -> None:
         spec.update({f"{name}+lookup{m}": {**kw, **look} for name, kw in list(spec.items()) if "lookup" not in name})
         spec[f"lookup{m}_alone"] = look
         alone.add(f"lookup{m}_alone")
+    if args.after_drafts:
+        spec.update({f"{name}+after": {**kw, "prompt_lookup_after_drafts": True} for name, kw in list(spec.items())
+                     if "+lookup" in name})
 
     target = load_target(args.target)
     dec = SpeculativeDecoder.from_pretrained(target, args.draft)

@@ -46,6 +46,8 @@ class DecodeConfig:
     prompt_lookup_num_tokens: int = 0
     prompt_lookup_min: int = 2  # 2-4 drafted more than 3-3 or 3-5 on 20 MT-bench prompts (tau 2.05 / 1.99 / 1.99)
     prompt_lookup_max: int = 4
+    # greedy: also continue each leaf of the head's tree with a lookup of the text followed by the leaf's drafted path
+    prompt_lookup_after_drafts: bool = False
     max_new_tokens: int = 128
     temperature: float = 0.0  # 0: greedy; > 0: lossless sampling from the target's distribution
     top_p: float = 1.0

@@ -329,25 +329,29 @@ class NgramIndex:
                 self.after[tuple(self.text[i - n:])] = i
             self.text.append(t)
 
-    def draft(self, m: int) -> list[int]:
-        L = len(self.text)
+    def draft(self, m: int, extra: list[int] = ()) -> list[int]:
+        """The m tokens after the longest indexed suffix of the text followed by `extra` (drafted tokens, not
+        committed), or [] where no suffix of min_n or more tokens occurred before."""
+        seq = self.text + list(extra) if extra else self.text
+        L = len(seq)
         for n in range(min(self.max_n, L), self.min_n - 1, -1):
-            s = self.after.get(tuple(self.text[L - n:]))
+            s = self.after.get(tuple(seq[L - n:]))
             if s is not None:
                 out: list[int] = []
                 for j in range(m):
-                    out.append(self.text[s + j] if s + j < L else out[s + j - L])
+                    out.append(seq[s + j] if s + j < L else out[s + j - L])
                 return out
         return []
 
 
-def merge_chain(draft: Draft, chain: list[int]) -> Draft:
-    """`draft` with `chain` (tokens after the root) added as a path from the root: each token is a child of the one
-    before it, reusing a node the draft already has for it. `lookup` marks the chain's nodes and `drafted` the
-    draft's own, for sampling; new nodes get zero rows of q (their children, if any, are lookup nodes too)."""
+def merge_chain(draft: Draft, chain: list[int], start: int = 0, lookup: torch.Tensor | None = None) -> Draft:
+    """`draft` with `chain` added as a path below node `start` (the root by default): each token is a child of the
+    one before it, reusing a node the draft already has for it. `lookup` marks the chain's nodes (and those of
+    chains merged before, given as `lookup`) and `drafted` the draft's own, for sampling; new nodes get zero rows of
+    q (their children, if any, are lookup nodes too)."""
     toks, pars = draft.tokens.tolist(), draft.parents.tolist()
     child = {(p, t): i for i, (p, t) in enumerate(zip(pars, toks))}  # (parent, token) -> node
-    n0, node, on_chain = len(toks), 0, []
+    n0, node, on_chain = len(toks), start, []
     for t in chain:
         if (node, t) not in child:
             child[node, t] = len(toks)
@@ -355,9 +359,13 @@ def merge_chain(draft: Draft, chain: list[int]) -> Draft:
             pars.append(node)
         node = child[node, t]
         on_chain.append(node)
-    lookup = torch.zeros(len(toks), dtype=torch.bool)
-    lookup[on_chain] = True
-    drafted = torch.arange(len(toks)) < n0
+    marks = torch.zeros(len(toks), dtype=torch.bool)
+    if lookup is not None:
+        marks[: lookup.shape[0]] = lookup
+    marks[on_chain] = True
+    lookup = marks
+    drafted = torch.arange(len(toks)) < n0 if draft.drafted is None else torch.cat(
+        [draft.drafted, torch.zeros(len(toks) - n0, dtype=torch.bool)])
     q = draft.q
     if q is not None and len(toks) > n0:
         q = torch.cat([q, q.new_zeros(len(toks) - n0, q.shape[1])])
@@ -390,7 +398,22 @@ class LookupProposer:
         if self.index is None:
             self.index = NgramIndex(cfg.prompt_lookup_min, cfg.prompt_lookup_max)
         self.index.extend(tokens[0].tolist())
-        chain = self.index.draft(cfg.prompt_lookup_num_tokens)
+        m = cfg.prompt_lookup_num_tokens
+        chain = self.index.draft(m)
         if self.inner is None:
             return Draft.chain(tokens[0, -1], torch.tensor(chain, dtype=torch.long, device=tokens.device))
-        return merge_chain(self.inner.propose(feats, tokens, cfg, generator), chain)
+        draft = merge_chain(self.inner.propose(feats, tokens, cfg, generator), chain)
+        if cfg.prompt_lookup_after_drafts and cfg.temperature <= 0:
+            # lookups after the drafted path to each leaf of the proposer's own tree, from that leaf on
+            parents, drafted = draft.parents.tolist(), draft.drafted
+            leaves = [i for i in range(1, len(parents)) if drafted[i] and i not in set(parents)]
+            toks = draft.tokens.tolist()
+            for leaf in leaves:
+                path, node = [], leaf
+                while node > 0:
+                    path.append(toks[node])
+                    node = parents[node]
+                more = self.index.draft(m, path[::-1])
+                if more:
+                    draft = merge_chain(draft, more, start=leaf, lookup=draft.lookup)
+        return draft

@@ -52,6 +52,68 @@ def test_ngram_index_agrees_with_brute_force():
         assert idx.draft(5) == reference_draft(text, 5, min_n, max_n), (text, min_n, max_n)
 
 
+def test_ngram_index_after_drafted_tokens_agrees_with_brute_force():
+    # a lookup of the text followed by drafted tokens: the latest occurrence of the longest suffix that lies whole in
+    # the committed text with a committed token after it, continued through the drafted tokens where it runs on
+    g = torch.Generator().manual_seed(1)
+    for trial in range(200):
+        text = torch.randint(0, 4, (int(torch.randint(1, 30, (1,), generator=g)),), generator=g).tolist()
+        extra = torch.randint(0, 4, (int(torch.randint(1, 4, (1,), generator=g)),), generator=g).tolist()
+        min_n, max_n = 1 + trial % 2, 2 + trial % 3
+        idx = NgramIndex(min_n, max_n)
+        idx.extend(text)
+        seq, want = text + extra, []
+        for n in range(min(max_n, len(seq)), min_n - 1, -1):
+            starts = [s for s in range(len(text) - n - 1, -1, -1) if seq[s:s + n] == seq[len(seq) - n:]]
+            if starts:
+                for j in range(5):
+                    i = starts[0] + n + j
+                    want.append(seq[i] if i < len(seq) else want[i - len(seq)])
+                break
+        assert idx.draft(5, extra) == want, (text, extra, min_n, max_n)
+
+
+class _FixedChain:
+    """A proposer that always drafts one given token after the root."""
+
+    def __init__(self, token: int):
+        self.token = token
+
+    def reset(self, prompt_ids=None):
+        pass
+
+    def rollback(self, n):
+        pass
+
+    def propose(self, feats, tokens, cfg, generator=None):
+        return Draft.chain(tokens[0, -1], torch.tensor([self.token]))
+
+
+def test_lookup_after_drafts_continues_the_head_leaf_hand_checked():
+    from infer.decoder import DecodeConfig
+    from infer.proposer import LookupProposer
+
+    text = [2, 9, 7, 1, 2, 3, 4, 1, 2]  # the root is the last 2
+    cfg = DecodeConfig(prompt_lookup_num_tokens=3, prompt_lookup_min=2, prompt_lookup_max=3)
+    plain = LookupProposer(_FixedChain(9)).propose(None, torch.tensor([text]), cfg)
+    assert plain.tokens.tolist() == [2, 9, 3, 4, 1]  # root -> 9 (the head), root -> 3 4 1 ("1 2" last at 3)
+    after = LookupProposer(_FixedChain(9)).propose(None, torch.tensor([text]), DecodeConfig(
+        prompt_lookup_num_tokens=3, prompt_lookup_min=2, prompt_lookup_max=3, prompt_lookup_after_drafts=True))
+    assert after.tokens.tolist() == [2, 9, 3, 4, 1, 7, 1, 2]  # and 9 -> 7 1 2 ("2 9" at 0)
+    assert after.parents.tolist() == [-1, 0, 0, 2, 3, 1, 5, 6]
+    assert after.lookup.tolist() == [False, False, True, True, True, True, True, True]
+    assert after.drafted.tolist() == [True, True] + [False] * 6
+
+
+@pytest.mark.parametrize("cfg", [dict(num_speculative_tokens=2), dict(mode="dynamic", top_k=2, depth=3,
+                                                                      total_tokens=5)])
+def test_lookup_after_drafts_is_lossless(target, baseline, cfg):
+    dec = SpeculativeDecoder(target, tiny_head(target))
+    out = dec.generate(PROMPT, 48, prompt_lookup_num_tokens=4, prompt_lookup_min=1, prompt_lookup_max=3,
+                       prompt_lookup_after_drafts=True, **cfg)
+    assert out.token_ids == baseline.token_ids
+
+
 def test_merge_chain_shares_the_prefix_it_agrees_with():
     d = Draft(torch.tensor([10, 11, 12, 13]), torch.tensor([-1, 0, 1, 0]))  # root 10 -> 11 -> 12, and 10 -> 13
     m = merge_chain(d, [11, 14, 15])
