@@ -88,3 +88,22 @@ def test_prep_then_a_few_training_steps_lower_the_loss(target, tmp_path):
     assert sum(losses[-3:]) < sum(losses[:3])
     head = EagleHead.from_pretrained(tmp_path / "head").attach(target)
     assert head.config.draft_vocab_size == 2048 and head.config.target == "smollm2-135m"
+
+
+def test_eagle3_decoding_is_lossless_with_a_random_head(target, baselines, monkeypatch):
+    """An EAGLE-3 head reads three target layers: the verification passes keep them from the one call of all layers
+    (`cpukernel.decoder_stack`), and decoding stays the target's own greedy."""
+    from eagle import cpukernel
+    from eagle.head import eagle3_layers, make_head
+
+    torch.manual_seed(0)
+    cfg = HeadConfig.for_target(target, head_type="eagle3", feature_layer_ids=eagle3_layers(target.num_layers),
+                                draft_vocab_size=512)
+    head = make_head(cfg).attach(target)
+    head.set_draft_vocab(torch.arange(512) * 64)
+    stack, kept = cpukernel.decoder_stack, []
+    monkeypatch.setattr(cpukernel, "decoder_stack", lambda *a, **kw: kept.append(a[-1] is not None) or stack(*a, **kw))
+    dec = SpeculativeDecoder(target, head)
+    for p, base in zip(PROMPTS[:2], baselines):
+        assert dec.generate(p, 40, num_speculative_tokens=3).token_ids == base.token_ids
+    assert kept and all(kept)
