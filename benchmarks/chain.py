@@ -9,7 +9,8 @@ on the same prompts.
 `--no-baselines` to skip transformers' two methods, our greedy stays as the reference). `--spread` takes the
 prompts evenly spaced over the file rather than its first ones (MT-bench's first 20 are writing and roleplay only).
 `--plus-lookup 4` adds, for every method, a twin whose tree also holds our prompt lookup branch of 4 tokens
-(`prompt_lookup_num_tokens`), and our prompt lookup alone.
+(`prompt_lookup_num_tokens`), and our prompt lookup alone; `--after-drafts` then adds, for each head method with
+a lookup branch, a twin that also continues each leaf of the head's tree by lookup (`prompt_lookup_after_drafts`).
 
 For every prompt, each method runs back to back (so machine noise hits them alike). Prints a Markdown table and,
 as its last line, a JSON object with every number.
