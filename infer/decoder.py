@@ -61,7 +61,8 @@ class DecodeConfig:
     fast_linear: bool = True
     # with the fast path, greedy tokens read the lm_head in int8 and recompute in float32 only the few rows that can
     # be the largest: the argmax of the kernel's logits, bit for bit, for a quarter of the lm_head's bytes
-    # (eagle.cpukernel.screen_argmax); sampling reads the whole lm_head as before
+    # (eagle.cpukernel.screen_argmax), and so do an EAGLE-1/2 head's greedy chain drafts over its draft rows;
+    # sampling reads the whole lm_head as before
     screen_argmax: bool = True
 
 

@@ -33,7 +33,8 @@ from pathlib import Path
 
 import torch
 
-from eagle import EagleHead, HeadCache, TargetModel
+from eagle import EagleHead, HeadCache, TargetModel, cpukernel
+from eagle.fastlinear import kernel_rows
 from infer import tree
 from infer.cache import TargetCache
 from infer.sampling import greedy_tokens, gumbel_top, process, screen_fits
@@ -170,6 +171,19 @@ class EagleProposer:
             return process(logits, cfg.temperature, cfg.sampling_top_k, cfg.top_p).log()
         return torch.log_softmax(logits.float(), dim=-1)
 
+    def _screened_argmax(self, h: torch.Tensor, cfg) -> torch.Tensor | None:
+        """The draft-vocabulary argmax of each row of h through the int8 screen (`cpukernel.screen_argmax`: the
+        argmax of the kernel's logits, bit for bit, for about a quarter of the draft lm_head's bytes) where it applies:
+        greedy with `screen_argmax`, an EAGLE-1/2 head without soft-capping whose logits the fast path multiplies in
+        the kernel for this many rows; else None."""
+        head, w = self.head, self.head.draft_lm_weight
+        if (cfg.temperature > 0 or not cfg.screen_argmax or head.config.head_type != "eagle1"
+                or head.config.logit_softcap or w is None or h.dtype != torch.float32 or not h.is_cpu
+                or torch.is_grad_enabled() or not cpukernel.available() or not cpukernel.supports(w)
+                or not kernel_rows(head.lm_head, h.shape[0])):
+            return None
+        return cpukernel.screen_argmax(h, w)
+
     def _extend(self, h_parent: torch.Tensor, token: torch.Tensor, depth: int, anc_slots: torch.Tensor,
                 committed: int) -> torch.Tensor:
         """One head pass over new nodes (one row each): inputs are the parent's predicted feature and the node's
@@ -192,10 +206,13 @@ class EagleProposer:
         q_rows = torch.zeros(plan.parents.shape[0], head.config.vocab_size) if generator is not None else None
         h_front, front = h_root, plan.root
         for d, lv in enumerate(plan.levels, start=1):
-            logq = self._logq(h_front, cfg)  # [frontier, Vd]
-            if generator is None:
-                chosen = logq.topk(lv.need_rank, dim=-1).indices[lv.rows, lv.rank]
+            best = self._screened_argmax(h_front, cfg) if generator is None and lv.need_rank == 1 else None
+            if best is not None:
+                chosen = best[lv.rows]
+            elif generator is None:
+                chosen = self._logq(h_front, cfg).topk(lv.need_rank, dim=-1).indices[lv.rows, lv.rank]
             else:
+                logq = self._logq(h_front, cfg)  # [frontier, Vd]
                 chosen = gumbel_top(logq, lv.need_draw, generator)[lv.rows, lv.draw]
                 q_rows[front] = self._to_target_probs(logq.exp())
             toks[lv.nodes] = head.to_target_ids(chosen)
