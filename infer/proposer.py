@@ -423,7 +423,8 @@ class LookupProposer:
         if cfg.prompt_lookup_after_drafts and cfg.temperature <= 0:
             # lookups after the drafted path to each leaf of the proposer's own tree, from that leaf on
             parents, drafted = draft.parents.tolist(), draft.drafted
-            leaves = [i for i in range(1, len(parents)) if drafted[i] and i not in set(parents)]
+            inner_nodes = set(parents)
+            leaves = [i for i in range(1, len(parents)) if drafted[i] and i not in inner_nodes]
             toks = draft.tokens.tolist()
             for leaf in leaves:
                 path, node = [], leaf
