@@ -359,26 +359,40 @@ def _cache_slot(attn: nn.Module, x: torch.Tensor, pe, mask, cache):
     if x.dim() != 3 or x.shape[0] != 1 or x.shape[1] > ATTENTION_ROWS or cache is None or pe is None:
         return None
     m = x.shape[1]
-    cos, sin = pe
     if (not x.is_cpu or x.dtype != torch.float32 or not x.is_contiguous()
             or _wants_grad(x, attn._fused_params[0]["weight"])
-            or _attn_implementation(attn.config) != ATTENTION_IMPLEMENTATION
-            or cos.shape != (1, m, attn.head_dim) or cos.dtype != torch.float32 or sin.shape != cos.shape
-            or not (cos.is_contiguous() and sin.is_contiguous())):
+            or _attn_implementation(attn.config) != ATTENTION_IMPLEMENTATION or not _rotary_fits(pe, m, attn.head_dim)):
         return None
     layers = getattr(cache, "layers", None)
     layer = layers[attn.layer_idx] if layers is not None and len(layers) > attn.layer_idx else None
-    if type(layer) is not PreallocatedLayer or not layer.is_initialized or layer._k is None:
-        return None
-    past = layer.keys.shape[-2]
-    if layer._k.shape[0] != 1 or layer._k.shape[2] < past + m:
+    past = _room(layer, m)
+    if past is None:
         return None  # the stock update makes room
     if mask is None:
         return (layer, past) if m == 1 else None
-    if (mask.dim() != 4 or mask.shape[0] != 1 or mask.shape[1] != 1 or mask.shape[2] != m or mask.shape[3] < past + m
-            or mask.dtype not in (torch.bool, torch.float32) or mask.stride(-1) != 1):
+    return (layer, past) if _mask_fits(mask, m, past) else None
+
+
+def _rotary_fits(pe: tuple, m: int, head_dim: int) -> bool:
+    """Rotary tables (cos, sin) the C calls read: [1, m, head_dim] contiguous float32."""
+    cos, sin = pe
+    return (cos.shape == (1, m, head_dim) and cos.dtype == torch.float32 and sin.shape == cos.shape
+            and cos.is_contiguous() and sin.is_contiguous())
+
+
+def _room(layer, m: int) -> int | None:
+    """The positions already cached in `layer` when it is an initialized PreallocatedLayer of one sequence with room
+    for m more (the C calls write there in place), else None."""
+    if type(layer) is not PreallocatedLayer or not layer.is_initialized or layer._k is None:
         return None
-    return layer, past
+    past = layer.keys.shape[-2]
+    return past if layer._k.shape[0] == 1 and layer._k.shape[2] >= past + m else None
+
+
+def _mask_fits(mask: torch.Tensor, m: int, past: int) -> bool:
+    """A [1, 1, m, >= past + m] bool or additive float32 mask with unit stride along keys, as the C calls read it."""
+    return (mask.dim() == 4 and mask.shape[0] == 1 and mask.shape[1] == 1 and mask.shape[2] == m
+            and mask.shape[3] >= past + m and mask.dtype in (torch.bool, torch.float32) and mask.stride(-1) == 1)
 
 
 def _attn_implementation(config) -> str | None:
@@ -640,28 +654,19 @@ def _stack_call(mod: nn.Module, kwargs: dict):
         return None
     m = ids.shape[1]
     layers = cache.layers
-    first = layers[0]
-    if type(first) is not PreallocatedLayer or not first.is_initialized or first._k is None:
+    past = _room(layers[0], m)
+    if past is None or any(_room(layer, m) != past for layer in layers):
         return None
-    past = first.keys.shape[-2]
-    for layer in layers:
-        if (type(layer) is not PreallocatedLayer or not layer.is_initialized or layer._k is None
-                or layer.keys.shape[-2] != past or layer._k.shape[0] != 1 or layer._k.shape[2] < past + m):
-            return None
     if mask is None and m > 1:  # causal over the new rows, as transformers makes it after a cached past
         if past == 0:
             return None  # no mask at all there (sdpa's is_causal): the layers run their parts
         mask = torch.ones(m, past + m, dtype=torch.bool).tril(past)[None, None]
-    if mask is not None and (mask.dim() != 4 or mask.shape[0] != 1 or mask.shape[1] != 1 or mask.shape[2] != m
-                             or mask.shape[3] < past + m or mask.dtype not in (torch.bool, torch.float32)
-                             or mask.stride(-1) != 1):
+    if mask is not None and not _mask_fits(mask, m, past):
         return None
     x = mod.embed_tokens(ids)
     cos, sin = mod.rotary_emb(x, position_ids=pos)
     heads, kv_heads, d, inter, scale = mod._stack_dims
-    if (x.dtype != torch.float32 or not x.is_cpu or not x.is_contiguous() or cos.shape != (1, m, d)
-            or cos.dtype != torch.float32 or sin.shape != cos.shape
-            or not (cos.is_contiguous() and sin.is_contiguous())):
+    if x.dtype != torch.float32 or not x.is_cpu or not x.is_contiguous() or not _rotary_fits((cos, sin), m, d):
         return None
     table, eps, strides = _stack_table(mod, layers)
     want = kwargs.get("output_hidden_states")

@@ -34,10 +34,9 @@ from pathlib import Path
 import torch
 
 from eagle import EagleHead, HeadCache, TargetModel, cpukernel
-from eagle.fastlinear import kernel_rows
 from infer import tree
 from infer.cache import TargetCache
-from infer.sampling import greedy_tokens, gumbel_top, process, screen_fits
+from infer.sampling import greedy_tokens, gumbel_top, process, screen_fits, screened_argmax
 
 
 @dataclass
@@ -178,11 +177,9 @@ class EagleProposer:
         the kernel for this many rows; else None."""
         head, w = self.head, self.head.draft_lm_weight
         if (cfg.temperature > 0 or not cfg.screen_argmax or head.config.head_type != "eagle1"
-                or head.config.logit_softcap or w is None or h.dtype != torch.float32 or not h.is_cpu
-                or torch.is_grad_enabled() or not cpukernel.available() or not cpukernel.supports(w)
-                or not kernel_rows(head.lm_head, h.shape[0])):
+                or head.config.logit_softcap or w is None or not cpukernel.available() or not cpukernel.supports(w)):
             return None
-        return cpukernel.screen_argmax(h, w)
+        return screened_argmax(head.lm_head, w, h)
 
     def _extend(self, h_parent: torch.Tensor, token: torch.Tensor, depth: int, anc_slots: torch.Tensor,
                 committed: int) -> torch.Tensor:
@@ -361,11 +358,11 @@ class NgramIndex:
         return []
 
 
-def merge_chain(draft: Draft, chain: list[int], start: int = 0, lookup: torch.Tensor | None = None) -> Draft:
+def merge_chain(draft: Draft, chain: list[int], start: int = 0) -> Draft:
     """`draft` with `chain` added as a path below node `start` (the root by default): each token is a child of the
     one before it, reusing a node the draft already has for it. `lookup` marks the chain's nodes (and those of
-    chains merged before, given as `lookup`) and `drafted` the draft's own, for sampling; new nodes get zero rows of
-    q (their children, if any, are lookup nodes too)."""
+    chains merged into `draft` before) and `drafted` the proposer's own, for sampling; new nodes get zero rows of q
+    (their children, if any, are lookup nodes too)."""
     toks, pars = draft.tokens.tolist(), draft.parents.tolist()
     child = {(p, t): i for i, (p, t) in enumerate(zip(pars, toks))}  # (parent, token) -> node
     n0, node, on_chain = len(toks), start, []
@@ -376,11 +373,10 @@ def merge_chain(draft: Draft, chain: list[int], start: int = 0, lookup: torch.Te
             pars.append(node)
         node = child[node, t]
         on_chain.append(node)
-    marks = torch.zeros(len(toks), dtype=torch.bool)
-    if lookup is not None:
-        marks[: lookup.shape[0]] = lookup
-    marks[on_chain] = True
-    lookup = marks
+    lookup = torch.zeros(len(toks), dtype=torch.bool)
+    if draft.lookup is not None:
+        lookup[:n0] = draft.lookup
+    lookup[on_chain] = True
     drafted = torch.arange(len(toks)) < n0 if draft.drafted is None else torch.cat(
         [draft.drafted, torch.zeros(len(toks) - n0, dtype=torch.bool)])
     q = draft.q
@@ -421,17 +417,14 @@ class LookupProposer:
             return Draft.chain(tokens[0, -1], torch.tensor(chain, dtype=torch.long, device=tokens.device))
         draft = merge_chain(self.inner.propose(feats, tokens, cfg, generator), chain)
         if cfg.prompt_lookup_after_drafts and cfg.temperature <= 0:
-            # lookups after the drafted path to each leaf of the proposer's own tree, from that leaf on
-            parents, drafted = draft.parents.tolist(), draft.drafted
-            inner_nodes = set(parents)
-            leaves = [i for i in range(1, len(parents)) if drafted[i] and i not in inner_nodes]
-            toks = draft.tokens.tolist()
+            # lookups after the drafted path to each leaf of the proposer's own tree (a node below the root no
+            # other node descends from), from that leaf on
+            toks, node_mask = draft.tokens, draft.node_mask
+            leaf = (node_mask.sum(0) == 1) & draft.drafted
+            leaf[0] = False
+            leaves = leaf.nonzero().flatten().tolist()
             for leaf in leaves:
-                path, node = [], leaf
-                while node > 0:
-                    path.append(toks[node])
-                    node = parents[node]
-                more = self.index.draft(m, path[::-1])
+                more = self.index.draft(m, toks[tree.path_to(node_mask, leaf)[1:]].tolist())
                 if more:
-                    draft = merge_chain(draft, more, start=leaf, lookup=draft.lookup)
+                    draft = merge_chain(draft, more, start=leaf)
         return draft

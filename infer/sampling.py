@@ -60,12 +60,20 @@ def greedy_tokens(model: TargetModel, feats: torch.Tensor, screen: bool) -> torc
     """`model`'s greedy tokens for features [..., hidden]: with `screen` (the caller checked `screen_fits`), through
     the int8 screen where the fast path multiplies this many rows by the lm_head in the kernel (the same tokens,
     bit for bit), else the argmax of the logits."""
-    lm = model.lm_head
-    if (screen and feats.dtype == torch.float32 and feats.is_cpu
-            and not (torch.is_grad_enabled() and (feats.requires_grad or lm.weight.requires_grad))
-            and kernel_rows(lm, feats.numel() // feats.shape[-1])):
-        return cpukernel.screen_argmax(feats, lm.weight)
-    return model.logits(feats).argmax(-1)
+    best = screened_argmax(model.lm_head, model.lm_head.weight, feats) if screen else None
+    return best if best is not None else model.logits(feats).argmax(-1)
+
+
+def screened_argmax(layer: torch.nn.Module, weight: torch.Tensor, feats: torch.Tensor) -> torch.Tensor | None:
+    """The argmax of `feats @ weight.T` through the int8 screen (`cpukernel.screen_argmax`, bit for bit the argmax of
+    the kernel's product) where the fast path multiplies this many rows by the linear layer `layer` (whose layout
+    the product of `weight` follows) in the kernel, for float32 features on the CPU without gradients; else None.
+    The caller checked that the kernel supports `weight`."""
+    if (feats.dtype == torch.float32 and feats.is_cpu
+            and not (torch.is_grad_enabled() and (feats.requires_grad or weight.requires_grad))
+            and kernel_rows(layer, feats.numel() // feats.shape[-1])):
+        return cpukernel.screen_argmax(feats, weight)
+    return None
 
 
 def accept_greedy(tokens: torch.Tensor, predicted: torch.Tensor, parents: torch.Tensor,
