@@ -6,6 +6,10 @@
   reads each weight in a packed layout (`pack`: blocks of 32 outputs, their weights for each input side by side,
   made once per weight and kept beside it), so a tile of up to 12 input rows multiplies each loaded weight vector
   with every row, with no horizontal sums; blocks are split over the threads `torch.get_num_threads()` names.
+  A weight dequantized from GGUF Q4_1 (as transformers loads a `.gguf` file: `d * q + m` in float32 with float16
+  d, m per 32 inputs of an output and 4-bit q) is kept as those codes instead (`q4_1_codes`, `pack_q4`: 0.75 bytes
+  a weight, 4 before) and decoded in registers to the same float32 values, so every product keeps its bits while a
+  one-token step reads a fifth of the bytes (SmolLM2: all 210 decoder weights; BENCHMARKS.md).
 - `rows_gated`: a gated MLP's `silu(x @ G.T) * (x @ U.T)` in one pass over both weights.
 - `rms_norm`: an RMS norm of each row in one call (the stock module is eight small torch ops).
 - `attend`: attention of a few query rows over the KV cache, grouped-query heads read in place.
@@ -195,12 +199,95 @@ static inline void store_block(float *Y, const float *acc, const float *B, int64
         for (int64_t o = 0; o < n; o++) Y[(m0 + r) * out_f + o0 + o] = acc[r * NB + o] + (B ? B[o0 + o] : 0.0f);
 }
 
+/* Weights that are GGUF Q4_1 blocks dequantized to float32 (w = fl(fl(d q) + m) for one fp16 d and m per 32
+   consecutive inputs of an output, q in 0..15), read in that form: 0.75 bytes a weight instead of 4, decoded to the
+   same float32 values, so every product keeps its bits. Layout of block b (outputs 32 b .. 32 b + 31), for each
+   group g of 32 inputs, QG bytes: d[32] and m[32] as float32, then for each input of the group 16 bytes, byte j
+   holding output j's q in its low four bits and output 16 + j's in its high four. The address of such a weight is
+   tagged with its lowest bit set. */
+#define QG (256 + 32 * 16)
+static inline int is_q4(const float *P) { return (int)((uintptr_t)P & 1); }
+static inline const unsigned char *q4_at(const float *P) { return (const unsigned char *)((uintptr_t)P & ~(uintptr_t)1); }
+#if defined(__AVX512F__)
+static inline void q4_decode(const unsigned char *c, const vw *d, const vw *m, vw *w) {
+    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)c));
+    vw p0 = (vw)_mm512_mul_ps((__m512)d[0], _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(15))));
+    vw p1 = (vw)_mm512_mul_ps((__m512)d[1], _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)));
+    w[0] = (vw)_mm512_add_ps((__m512)p0, (__m512)m[0]);
+    w[1] = (vw)_mm512_add_ps((__m512)p1, (__m512)m[1]);
+}
+#define Q4_OK 1
+#elif defined(__AVX2__)
+static inline void q4_decode(const unsigned char *c, const vw *d, const vw *m, vw *w) {
+    for (int h = 0; h < 2; h++) {
+        const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(c + 8 * h)));
+        vw lo = (vw)_mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(15)));
+        vw hi = (vw)_mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
+        w[h] = (vw)_mm256_add_ps(_mm256_mul_ps((__m256)d[h], (__m256)lo), (__m256)m[h]);
+        w[2 + h] = (vw)_mm256_add_ps(_mm256_mul_ps((__m256)d[2 + h], (__m256)hi), (__m256)m[2 + h]);
+    }
+}
+#define Q4_OK 1
+#else
+#define Q4_OK 0
+#endif
+int q4_supported(void) { return Q4_OK; }
+#if Q4_OK
+static inline __attribute__((always_inline)) void tile_q4(const unsigned char *Q, const float *X, int64_t in_f, int R,
+                                                           float *acc, const unsigned char *ahead) {
+    vw a[RMAX][NV];
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < NV; j++) a[r][j] = (vw){0};
+    for (int64_t g = 0; g < in_f / 32; g++) {
+        const unsigned char *G = Q + g * QG;
+        if (ahead)
+            for (int l = 0; l < QG / 64; l++) __builtin_prefetch(ahead + g * QG + 64 * l, 0, 2);
+        vw d[NV], m[NV];
+        for (int j = 0; j < NV; j++) {
+            d[j] = loadw((const float *)G + j * (NB / NV));
+            m[j] = loadw((const float *)G + NB + j * (NB / NV));
+        }
+        for (int k = 0; k < 32; k++) {
+            vw w[NV];
+            q4_decode(G + 256 + 16 * k, d, m, w);
+            const int64_t i = g * 32 + k;
+            for (int r = 0; r < R; r++) {
+                const vw x = splatw(X[r * in_f + i]);
+                for (int j = 0; j < NV; j++) a[r][j] = maddw(a[r][j], w[j], x);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++) memcpy(acc + r * NB, a[r], sizeof a[r]);
+}
+#define QT4(R) static __attribute__((noinline)) void q4tile##R(const unsigned char *Q, const float *X, int64_t in_f, \
+                                                               float *acc, const unsigned char *ahead) { \
+    tile_q4(Q, X, in_f, R < RMAX ? R : RMAX, acc, ahead); }
+QT4(1) QT4(2) QT4(3) QT4(4) QT4(5) QT4(6) QT4(7) QT4(8) QT4(9) QT4(10) QT4(11) QT4(12)
+#undef QT4
+typedef void (*q4tile_fn)(const unsigned char *, const float *, int64_t, float *, const unsigned char *);
+static const q4tile_fn Q4TILES[13] = {0, q4tile1, q4tile2, q4tile3, q4tile4, q4tile5, q4tile6, q4tile7, q4tile8,
+                                      q4tile9, q4tile10, q4tile11, q4tile12};
+#endif
+/* rows m0 .. m0 + R - 1 of X against block b of weight P (either layout) into acc; `next`: block b + 1 exists */
+static inline void block_tile(const float *P, int64_t b, int next, const float *X, int64_t in_f, int R, float *acc,
+                              int t, int T) {
+#if Q4_OK
+    if (is_q4(P)) {
+        const unsigned char *Q = q4_at(P) + b * (in_f / 32) * QG;
+        Q4TILES[R](Q, X, in_f, acc, next && t == 0 ? Q + (in_f / 32) * QG : 0);
+        return;
+    }
+#endif
+    int n;
+    const float *ahead = ahead_share(next ? P + (b + 1) * in_f * NB : 0, in_f, t, T, &n);
+    TILES[R](P + b * in_f * NB, X, in_f, acc, ahead, n);
+}
 /* Y[m, o] = sum_i W[o, i] X[m, i] (+ B[o]) for m < M and the outputs o of blocks lo .. hi - 1 (P packed). */
 static void linear_blocks(const float *P, const float *X, const float *B, float *Y,
                           int64_t lo, int64_t hi, int64_t out_f, int64_t in_f, int64_t M) {
     float acc[RMAX * NB];
     for (int64_t b = lo; b < hi;) {
-        if (M <= PAIR_RMAX && b + 1 < hi) {
+        if (M <= PAIR_RMAX && b + 1 < hi && !is_q4(P)) {
             PAIRS[M](P + b * in_f * NB, P + (b + 1) * in_f * NB, X, in_f, acc, acc + PAIR_RMAX * NB);
             store_block(Y, acc, B, b, out_f, 0, (int)M);
             store_block(Y, acc + PAIR_RMAX * NB, B, b + 1, out_f, 0, (int)M);
@@ -211,9 +298,7 @@ static void linear_blocks(const float *P, const float *X, const float *B, float 
         int t = 0;
         for (int64_t m0 = 0; m0 < M; t++) {
             const int R = tile_rows(M - m0);
-            int n;
-            const float *ahead = ahead_share(b + 1 < hi ? P + (b + 1) * in_f * NB : 0, in_f, t, T, &n);
-            TILES[R](P + b * in_f * NB, X + m0 * in_f, in_f, acc, ahead, n);
+            block_tile(P, b, b + 1 < hi, X + m0 * in_f, in_f, R, acc, t, T);
             store_block(Y, acc, B, b, out_f, m0, R);
             m0 += R;
         }
@@ -272,14 +357,11 @@ static void gated_chunk(const float *G, const float *U, const float *X, float *Y
         int t = 0;
         for (int64_t m0 = 0; m0 < M; t++) {
             const int R = tile_rows(M - m0);
-            if (R <= PAIR_RMAX) {
+            if (R <= PAIR_RMAX && !is_q4(G) && !is_q4(U)) {
                 PAIRS[R](G + b * in_f * NB, U + b * in_f * NB, X + m0 * in_f, in_f, g, u);
             } else {
-                int ng, nu;
-                const float *ag = ahead_share(b + 1 < nblk ? G + (b + 1) * in_f * NB : 0, in_f, t, T, &ng);
-                const float *au = ahead_share(b + 1 < nblk ? U + (b + 1) * in_f * NB : 0, in_f, t, T, &nu);
-                TILES[R](G + b * in_f * NB, X + m0 * in_f, in_f, g, ag, ng);
-                TILES[R](U + b * in_f * NB, X + m0 * in_f, in_f, u, au, nu);
+                block_tile(G, b, b + 1 < nblk, X + m0 * in_f, in_f, R, g, t, T);
+                block_tile(U, b, b + 1 < nblk, X + m0 * in_f, in_f, R, u, t, T);
             }
             for (int r = 0; r < R; r++)
                 for (int64_t o = 0; o < n; o++) {
@@ -1005,6 +1087,7 @@ def load(path: Path) -> ctypes.CDLL:
                                   vp, vp, vp, vp, ctypes.c_int]
     lib.screen_argmax.restype = i64
     lib.screen_pairs.argtypes, lib.screen_pairs.restype = [], ctypes.c_int
+    lib.q4_supported.argtypes, lib.q4_supported.restype = [], ctypes.c_int
     for fn in (lib.rows_linear, lib.rows_gated, lib.rms_norm, lib.rope, lib.attend, lib.attention_block,
                lib.decoder_layer, lib.decoder_stack):
         fn.restype = None
@@ -1040,6 +1123,8 @@ def supports(weight: torch.Tensor) -> bool:
 
 
 PACK = 32  # outputs per packed block (NB in the C source)
+# read weights dequantized from GGUF Q4_1 in that form (`packed`); EAGLE_NO_Q4=1 keeps them in float32
+Q4_1 = not os.environ.get("EAGLE_NO_Q4")
 
 
 def pack(weight: torch.Tensor, pairs: bool = False) -> torch.Tensor:
@@ -1070,15 +1155,81 @@ def _kept(weight: torch.Tensor, name: str, make, *key):
     return hit[1]
 
 
+def q4_1_codes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """(q [out, in] uint8, d, m [out, in / 32] float32) with weight[o, i] == fl(fl(d q) + m) bit for bit, d and m of
+    the 32-input group of i and q in 0..15: the form of a GGUF Q4_1 tensor dequantized to float32 (as transformers
+    loads one: `d * q + m` in float32, two roundings); None for any other weight. Found per group: m is its least
+    value, d the float16 nearest (max - m) / 15 or one of its neighbours, q = round((w - m) / d), and every value
+    is then checked bit for bit, so the codes always decode to the weight itself."""
+    w = weight.detach()
+    out_f, in_f = w.shape
+    if in_f % 32 or w.dtype != torch.float32:
+        return None
+    g = w.reshape(out_f, in_f // 32, 32)
+    lo = g.amin(-1, keepdim=True)
+    if not torch.equal(lo.half().float(), lo):  # m is a float16 (also false for NaN)
+        return None
+    bits = g.view(torch.int32)
+    d16 = ((g.amax(-1, keepdim=True) - lo) / 15).half()
+    d_out, q_out = torch.zeros_like(lo), torch.zeros(g.shape, dtype=torch.uint8)
+    done = torch.zeros_like(lo, dtype=torch.bool)
+    for step in (0, -1, 1, -2, 2):
+        d = (d16.view(torch.int16) + step).view(torch.float16).float() if step else d16.float()
+        d = torch.where(d > 0, d, 0.0)  # a step below the float16 zero; 0 stands for groups of one value
+        q = torch.where(d > 0, ((g - lo) / d).round().clamp(0, 15), 0.0)
+        prod = d * q
+        ok = ((prod + lo).view(torch.int32) == bits).all(-1, keepdim=True) & ~done
+        d_out = torch.where(ok, d, d_out)
+        q_out = torch.where(ok, q.to(torch.uint8), q_out)
+        done |= ok
+        if done.all():
+            return q_out.reshape(out_f, in_f), d_out.squeeze(-1), lo.squeeze(-1)
+    return None
+
+
+def pack_q4(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """The product kernels' Q4_1 layout (see the C source) of codes q [out, in] with d, m [out, in / 32]: [ceil(out
+    / PACK), in / 32, 768] bytes; padding outputs decode to zero."""
+    out_f, in_f = q.shape
+    pad = -out_f % PACK
+    if pad:
+        q, d, m = (torch.cat([t, t.new_zeros(pad, t.shape[1])]) for t in (q, d, m))
+    nb, ng = (out_f + pad) // PACK, in_f // 32
+    dm = torch.stack([d, m]).reshape(2, nb, PACK, ng).permute(1, 3, 0, 2).contiguous()  # [nb, ng, 2, 32] floats
+    q = q.reshape(nb, 2, PACK // 2, ng, 32).permute(0, 3, 4, 1, 2)  # [nb, ng, input, half, j]
+    codes = q[..., 0, :] | (q[..., 1, :] << 4)  # byte j: output j's code low, output 16 + j's high
+    return torch.cat([dm.view(torch.uint8).reshape(nb, ng, 256), codes.reshape(nb, ng, 512)], dim=-1).contiguous()
+
+
+def _pack_any(weight: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(the kept layout, the address the kernels take): Q4_1 codes where the weight has that form and the kernel
+    decodes it (the address tagged by its lowest bit), else `pack`'s float32 layout."""
+    if Q4_1 and _q4_ok():
+        form = q4_1_codes(weight)
+        if form is not None:
+            layout = pack_q4(*form)
+            return layout, layout.data_ptr() | 1
+    layout = pack(weight)
+    return layout, layout.data_ptr()
+
+
+def _q4_ok() -> bool:
+    lib = _lib or library()
+    return bool(lib is not None and lib.q4_supported())
+
+
 def packed(weight: torch.Tensor) -> int:
-    """Address of `weight` in the kernels' layout (`pack`), made on first use and kept on the tensor itself (twice
-    the weight's memory) until the weight changes in place (an optimizer step) or moves."""
-    return _kept(weight, "_eagle_packed", pack).data_ptr()
+    """Address of `weight` in the kernels' layout, made on first use and kept on the tensor itself until the weight
+    changes in place (an optimizer step) or moves: Q4_1 codes for a weight dequantized from GGUF Q4_1 (0.75 bytes a
+    weight, decoded to the same float32 values: every product keeps its bits), else `pack`'s float32 copy (twice the
+    weight's memory). Each setting of `Q4_1` keeps its own copy, so a benchmark can switch between them."""
+    return _kept(weight, "_eagle_packed_q4" if Q4_1 else "_eagle_packed", _pack_any, Q4_1)[1]
 
 
 def unpack(weight: torch.Tensor) -> None:
     """Drop the copies the kernels keep on `weight` (`packed`, `screen_tables`), and their memory."""
     weight.__dict__.pop("_eagle_packed", None)
+    weight.__dict__.pop("_eagle_packed_q4", None)
     weight.__dict__.pop("_eagle_screen", None)
 
 

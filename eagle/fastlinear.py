@@ -610,12 +610,13 @@ def _plan_stack(mod: nn.Module) -> bool:
 
 def _stack_table(mod: nn.Module, cache_layers: list) -> tuple:
     """(addresses [L, STACK_SLOTS], epsilons [L, 2], key strides [L]) for `cpukernel.decoder_stack`: the weights'
-    part made again only when a weight changed in place or moved (as `cpukernel.packed` would)."""
+    part made again only when a weight changed in place or moved, or the Q4_1 switch changed (as
+    `cpukernel.packed` would)."""
     weights = [w for layer in mod.layers for w in _stack_params(layer)]
     try:
-        key = [(w._version, w.data_ptr()) for w in weights]
+        key = [cpukernel.Q4_1, *((w._version, w.data_ptr()) for w in weights)]
     except RuntimeError:  # inference-mode weights have no version counter; they cannot change outside that mode
-        key = [w.data_ptr() for w in weights]
+        key = [cpukernel.Q4_1, *(w.data_ptr() for w in weights)]
     kept = mod.__dict__.get("_stack_table")
     if kept is None or kept[0] != key:
         rows = []

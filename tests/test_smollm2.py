@@ -69,6 +69,40 @@ def test_chain_drafts_through_the_screen_are_the_draft_logits_argmax(target, bas
     assert any(drafted)
 
 
+def test_smollm2_weights_are_read_as_q4_1_codes_with_the_same_bits(target, baselines, monkeypatch):
+    """Every decoder weight of SmolLM2 (a GGUF Q4_1 file) is found in Q4_1 form and read as codes, 0.75 bytes a
+    weight instead of 4: a tree-masked verification pass gives the float32 copies' features bit for bit."""
+    from eagle import cpukernel
+    from infer.cache import TargetCache
+
+    if not (cpukernel.available() and cpukernel.library().q4_supported()):
+        pytest.skip("no Q4_1 path in the kernel here")
+    layers = target.model.model.layers
+    weights = [m.weight for m in layers.modules() if isinstance(m, torch.nn.Linear)]
+    assert len(weights) == 7 * len(layers) and all(cpukernel.q4_1_codes(w) is not None for w in weights)
+    dec = SpeculativeDecoder(target, None)
+    dec.use_fast_path(True)
+    ids = torch.tensor([dec.encode(PROMPTS[0])])
+    n = ids.shape[1]
+    tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)
+    mask = torch.cat([torch.ones(4, n, dtype=torch.bool), tree], dim=1)[None, None]
+    new = torch.tensor([baselines[0].token_ids[:4]])
+    feats = []
+    with torch.inference_mode():
+        for on in (True, False):
+            monkeypatch.setattr(cpukernel, "Q4_1", on)
+            cache = TargetCache()
+            target.features(ids, position_ids=torch.arange(n)[None], cache=cache.hf)
+            step = target.features(new[:, :1], position_ids=torch.tensor([[n]]), cache=cache.hf)
+            cache.crop(n)
+            tree_pass = target.features(new, position_ids=torch.tensor([[n, n + 1, n + 1, n + 2]]),
+                                        cache=cache.hf, attention_mask=mask)
+            feats.append((step, tree_pass))
+            assert bool(cpukernel.packed(weights[0]) & 1) == on
+    dec.use_fast_path(False)
+    assert torch.equal(feats[0][0], feats[1][0]) and torch.equal(feats[0][1], feats[1][1])
+
+
 @pytest.mark.parametrize("wrong_at", [None, 2])
 def test_oracle_drafts_on_smollm2(target, baselines, wrong_at):
     for p, base in zip(PROMPTS, baselines):

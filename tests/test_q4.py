@@ -1,0 +1,71 @@
+"""Weights dequantized from GGUF Q4_1 are read in that form (eagle.cpukernel.packed) and keep every bit."""
+
+import pytest
+import torch
+
+from eagle import cpukernel
+from infer import SpeculativeDecoder
+from tests.tiny import tiny_head, tiny_target
+
+pytestmark = pytest.mark.skipif(not (cpukernel.available() and cpukernel.library().q4_supported()),
+                                reason="the C kernel does not build here or has no Q4_1 path (AVX2 or AVX-512)")
+
+
+def q4_weight(out_f: int, in_f: int, gen: torch.Generator) -> torch.Tensor:
+    """A weight as transformers loads a GGUF Q4_1 tensor: per 32 inputs of an output, float16 d and m and codes q
+    in 0..15 (ggml gives a group's least value code 0 and its largest 15), then `d * q + m` in float32."""
+    d = (torch.rand(out_f, in_f // 32, 1, generator=gen) * 0.02).half().float()
+    m = (-torch.rand(out_f, in_f // 32, 1, generator=gen) * 0.2).half().float()
+    q = torch.randint(0, 16, (out_f, in_f // 32, 32), generator=gen)
+    q[..., 0], q[..., 1] = 0, 15
+    return (d * q.float() + m).reshape(out_f, in_f)
+
+
+def test_q4_1_form_is_found_and_decodes_to_the_weight_bit_for_bit():
+    g = torch.Generator().manual_seed(0)
+    w = q4_weight(100, 96, g)
+    q, d, m = cpukernel.q4_1_codes(w)
+    assert q.dtype == torch.uint8 and int(q.max()) <= 15 and d.shape == m.shape == (100, 3)
+    back = d.repeat_interleave(32, 1) * q.float() + m.repeat_interleave(32, 1)
+    assert torch.equal(back.view(torch.int32), w.view(torch.int32))
+    assert cpukernel.pack_q4(q, d, m).shape == (4, 3, 768)  # 100 outputs: three blocks of 32 and a padded one
+    assert cpukernel.q4_1_codes(torch.randn(64, 64, generator=g)) is None  # an ordinary float32 weight
+    nudged = w.clone()
+    nudged[7, 40] = torch.nextafter(nudged[7, 40], torch.tensor(1.0))  # one value off the grid by one ulp
+    assert cpukernel.q4_1_codes(nudged) is None
+    assert cpukernel.q4_1_codes(torch.zeros(32, 64)) is not None  # groups of one value (d = 0)
+
+
+def test_q4_products_give_the_float32_products_bits(monkeypatch):
+    # the same float32 weights and the same sums in the same order, so the same bits, for every row count
+    g = torch.Generator().manual_seed(1)
+    w, b = q4_weight(100, 64, g), torch.randn(100, generator=g)
+    gate, up = q4_weight(96, 64, g), q4_weight(96, 64, g)
+    x = torch.randn(30, 64, generator=g)
+    for rows in (1, 2, 3, 4, 8, 13, 17, 30):
+        monkeypatch.setattr(cpukernel, "Q4_1", True)
+        assert cpukernel.packed(w) & 1  # read as Q4_1 codes
+        q4 = cpukernel.rows_linear(x[:rows], w, b), cpukernel.rows_gated(x[:rows], gate, up)
+        monkeypatch.setattr(cpukernel, "Q4_1", False)
+        assert not cpukernel.packed(w) & 1  # the float32 copy
+        f32 = cpukernel.rows_linear(x[:rows], w, b), cpukernel.rows_gated(x[:rows], gate, up)
+        assert all(torch.equal(a, c) for a, c in zip(q4, f32))
+
+
+def test_decoding_a_q4_1_target_is_the_same_with_and_without_the_codes(monkeypatch):
+    target = tiny_target(hidden=64, dtype=torch.float32)
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for mod in target.model.model.layers.modules():
+            if isinstance(mod, torch.nn.Linear):
+                mod.weight.copy_(q4_weight(*mod.weight.shape, g))
+    dec = SpeculativeDecoder(target, tiny_head(target))
+    prompt = [5, 9, 14, 22, 7]
+    runs = []
+    for on in (True, False):
+        monkeypatch.setattr(cpukernel, "Q4_1", on)
+        runs += [dec.generate(prompt, max_new_tokens=24, speculative=False).token_ids,
+                 dec.generate(prompt, max_new_tokens=24, num_speculative_tokens=3).token_ids]
+        layer = target.model.model.layers[0].mlp.gate_proj.weight
+        assert bool(cpukernel.packed(layer) & 1) == on
+    assert all(r == runs[0] for r in runs)
