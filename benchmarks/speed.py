@@ -9,12 +9,12 @@ Parts (every timing is a median over repeats, methods interleaved so machine noi
 2. the cost of one target pass over M new tokens after a KV cache of --context tokens, M = 1..32, on text the
    target wrote itself (a verification pass of a chain it agrees with): stock (linear layers and sdpa), the fast
    path (the measured layouts of eagle.fastlinear and eagle.attention's gqa_sdpa) with the whole float32 lm_head,
-   and the fast path with greedy tokens through the int8 screen (the default); the ratio to M = 1 (what
-   verifying M tokens costs);
+   the fast path with greedy tokens through the int8 screen, and that with weights in GGUF Q4_1 form read as their
+   codes (the default; `cpukernel.Q4_1`); the ratio to M = 1 (what verifying M tokens costs);
 3. thread scaling of the same pass at M = 1 and 8;
 4. the prompts: HF generate and HF prompt lookup (stock layers, as users run them), our greedy with stock layers,
-   with fast layers and the whole lm_head, and as decoding runs by default; our speculative decoding; identical
-   outputs checked against HF greedy.
+   with fast layers and the whole lm_head, with the float32 copies of Q4_1 weights, and as decoding runs by
+   default; our speculative decoding; identical outputs checked against HF greedy.
 The last line printed is a JSON object with `hf_generate_tps`, `engine_greedy_tps`, `spec_tps`,
 `verify_cost_ratio_k8`, `lossless` and the rest. Without --draft the speculative run is left out (`spec_tps` null):
 the engine's greedy against transformers' alone.
@@ -30,7 +30,7 @@ import time
 import torch
 
 from chain import hf_generate  # benchmarks/chain.py: transformers' generate with the stock layers
-from eagle import load_target
+from eagle import cpukernel, load_target
 from infer import SpeculativeDecoder
 from infer.cache import TargetCache
 from infer.evaluate import load_prompts
@@ -61,12 +61,13 @@ def real_text(dec: SpeculativeDecoder, data: str, length: int) -> list[int]:
 
 @torch.inference_mode()
 def pass_ms(dec: SpeculativeDecoder, text: list[int], context: int, rows_list: list[int], repeats: int,
-            fast: bool, screen: bool = True) -> dict[int, float]:
+            fast: bool, screen: bool = True, q4: bool = True) -> dict[int, float]:
     """Median ms of one target pass (features and the greedy token of every row) over `rows` new tokens of `text`
     after its first `context`, with the layouts decoding uses (fast; `screen`: greedy tokens through the int8
-    screen, else the whole float32 lm_head) or the stock layers: a verification pass of a chain the target agrees
-    with."""
+    screen, else the whole float32 lm_head; `q4`: weights in GGUF Q4_1 form read as codes) or the stock layers: a
+    verification pass of a chain the target agrees with."""
     target = dec.target
+    cpukernel.Q4_1 = q4
     dec.use_fast_path(fast)
     cache = TargetCache()
     ctx = torch.tensor([text[:context]])
@@ -124,21 +125,26 @@ def main() -> None:
     # a greedy token through the int8 screen reads the lm_head's int8 copy instead (a quarter of its bytes)
     lm = target.lm_head.weight
     screened_bytes = weight_bytes - lm.numel() * (lm.element_size() - 1) if dec.screens_greedy_tokens else weight_bytes
+    # and weights in GGUF Q4_1 form are read as codes: 0.75 bytes a weight instead of 4
+    q4_weights = sum(p.numel() for p in target.model.parameters()
+                     if p.dim() == 2 and p is not lm and cpukernel.q4_1_codes(p) is not None)
+    read_bytes = screened_bytes - q4_weights * (4 - 0.75)
     bw = bandwidth_gb_s()
     rows = [1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32]
     text = real_text(dec, args.data, args.context + max(rows))
-    curves = {name: {r: [] for r in rows} for name in ("stock", "fast_whole_lm_head", "fast")}
+    curves = {name: {r: [] for r in rows} for name in ("stock", "fast_whole_lm_head", "fast_float32", "fast")}
     for _ in range(3):  # interleave them so drift hits all alike
         for name in curves:
             for r, ms in pass_ms(dec, text, args.context, rows, args.repeats, name != "stock",
-                                 name == "fast").items():
+                                 name.startswith("fast_f") or name == "fast", name == "fast").items():
                 curves[name][r].append(ms)
     curve = {name: {r: statistics.median(v) for r, v in c.items()} for name, c in curves.items()}
-    print("| new tokens M | stock ms | fast, whole lm_head ms | fast ms | fast / fast(M=1) |")
-    print("|---|---|---|---|---|")
+    print("| new tokens M | stock ms | fast, whole lm_head ms | fast, float32 weights ms | fast ms | "
+          "fast / fast(M=1) |")
+    print("|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r} | {curve['stock'][r]:.1f} | {curve['fast_whole_lm_head'][r]:.1f} | {curve['fast'][r]:.1f} | "
-              f"{curve['fast'][r] / curve['fast'][1]:.2f} |")
+        print(f"| {r} | {curve['stock'][r]:.1f} | {curve['fast_whole_lm_head'][r]:.1f} | "
+              f"{curve['fast_float32'][r]:.1f} | {curve['fast'][r]:.1f} | {curve['fast'][r] / curve['fast'][1]:.2f} |")
 
     # 3. threads
     scaling = {}
@@ -152,7 +158,7 @@ def main() -> None:
     prompts = load_prompts(args.data, args.num_prompts, args.spread)
     n = args.max_new_tokens
     methods = ["hf_generate", "hf_prompt_lookup", "engine_greedy_stock", "engine_greedy_whole_lm_head",
-               "engine_greedy"]
+               "engine_greedy_float32", "engine_greedy"]
     methods += ["spec"] if args.draft else []
     tokens, same = {m: 0 for m in methods}, {m: 0 for m in methods}
     seconds = {m: 0.0 for m in methods}
@@ -160,7 +166,9 @@ def main() -> None:
     emitted = passes = 0
     warm = dec.encode(prompts[0]["prompt"])
     hf_generate(target, warm, 8)
-    dec.generate(warm, 8, speculative=False)
+    for q4 in (False, True):  # both layouts made before any timing
+        cpukernel.Q4_1 = q4
+        dec.generate(warm, 8, speculative=False)
     if args.draft:
         dec.generate(warm, 8, **spec_kw)
     for i, p in enumerate(prompts):
@@ -169,8 +177,12 @@ def main() -> None:
                 "hf_prompt_lookup": hf_generate(target, ids, n, args.lookup)}
         stock = dec.generate(ids, n, speculative=False, fast_linear=False)
         runs["engine_greedy_stock"] = (stock.token_ids, stock.total_s)
+        cpukernel.Q4_1 = False
         whole = dec.generate(ids, n, speculative=False, screen_argmax=False)
         runs["engine_greedy_whole_lm_head"] = (whole.token_ids, whole.total_s)
+        f32 = dec.generate(ids, n, speculative=False)
+        runs["engine_greedy_float32"] = (f32.token_ids, f32.total_s)
+        cpukernel.Q4_1 = True
         fast = dec.generate(ids, n, speculative=False)
         runs["engine_greedy"] = (fast.token_ids, fast.total_s)
         if args.draft:
@@ -207,6 +219,7 @@ def main() -> None:
         "lossless": min(same[m] for m in ("engine_greedy", "spec") if m in same) / len(prompts),
         "memory": {"bandwidth_gb_s": bw, "weight_mb": weight_bytes / 1e6, "floor_ms": weight_bytes / bw / 1e6,
                    "screened_weight_mb": screened_bytes / 1e6, "screened_floor_ms": screened_bytes / bw / 1e6,
+                   "q4_read_mb": read_bytes / 1e6, "q4_floor_ms": read_bytes / bw / 1e6,
                    "engine_greedy_ms_per_token": ms_per_token},
     }
     print()

@@ -268,6 +268,62 @@ typedef void (*q4tile_fn)(const unsigned char *, const float *, int64_t, float *
 static const q4tile_fn Q4TILES[13] = {0, q4tile1, q4tile2, q4tile3, q4tile4, q4tile5, q4tile6, q4tile7, q4tile8,
                                       q4tile9, q4tile10, q4tile11, q4tile12};
 #endif
+#if Q4_OK
+/* acc[r * NB + j] += sum over the 32 inputs of a group (decoded into S [32][NB]) of S[k, j] X[r, k], for r < R,
+   one FMA per input in order: a tile's sums carried from group to group in acc */
+static inline __attribute__((always_inline)) void tile_carry(const float *S, const float *X, int64_t in_f, int R,
+                                                              float *acc) {
+    vw a[RMAX][NV];
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < NV; j++) a[r][j] = loadw(acc + r * NB + j * (NB / NV));
+    for (int k = 0; k < 32; k++) {
+        vw w[NV];
+        for (int j = 0; j < NV; j++) w[j] = loadw(S + k * NB + j * (NB / NV));
+        for (int r = 0; r < R; r++) {
+            const vw x = splatw(X[r * in_f + k]);
+            for (int j = 0; j < NV; j++) a[r][j] = maddw(a[r][j], w[j], x);
+        }
+    }
+    for (int r = 0; r < R; r++) memcpy(acc + r * NB, a[r], sizeof a[r]);
+}
+#define TC(R) static __attribute__((noinline)) void carry##R(const float *S, const float *X, int64_t in_f, float *acc) { \
+    tile_carry(S, X, in_f, R < RMAX ? R : RMAX, acc); }
+TC(1) TC(2) TC(3) TC(4) TC(5) TC(6) TC(7) TC(8) TC(9) TC(10) TC(11) TC(12)
+#undef TC
+typedef void (*carry_fn)(const float *, const float *, int64_t, float *);
+static const carry_fn CARRIES[13] = {0, carry1, carry2, carry3, carry4, carry5, carry6, carry7, carry8, carry9,
+                                     carry10, carry11, carry12};
+
+#define MANY 96  /* rows per pass of q4_many: its sums [MANY][NB] stay in L1 */
+/* acc [M][NB] for M <= MANY rows (more than one tile) against block Q of a Q4_1 weight: each group is decoded once
+   into S, then every row tile multiplies it, its sums carried in acc (the same sums, in the same order, as tile_q4) */
+static void q4_many(const unsigned char *Q, const float *X, int64_t in_f, int64_t M, float *acc,
+                    const unsigned char *ahead) {
+    float S[32 * NB] __attribute__((aligned(64)));
+    memset(acc, 0, sizeof(float) * M * NB);
+    for (int64_t g = 0; g < in_f / 32; g++) {
+        const unsigned char *G = Q + g * QG;
+        if (ahead)
+            for (int l = 0; l < QG / 64; l++) __builtin_prefetch(ahead + g * QG + 64 * l, 0, 2);
+        vw d[NV], m[NV];
+        for (int j = 0; j < NV; j++) {
+            d[j] = loadw((const float *)G + j * (NB / NV));
+            m[j] = loadw((const float *)G + NB + j * (NB / NV));
+        }
+        for (int k = 0; k < 32; k++) {
+            vw w[NV];
+            q4_decode(G + 256 + 16 * k, d, m, w);
+            memcpy(S + k * NB, w, sizeof w);
+        }
+        for (int64_t m0 = 0; m0 < M;) {
+            const int R = tile_rows(M - m0);
+            CARRIES[R](S, X + m0 * in_f + g * 32, in_f, acc + m0 * NB);
+            m0 += R;
+        }
+    }
+}
+#endif
+
 /* rows m0 .. m0 + R - 1 of X against block b of weight P (either layout) into acc; `next`: block b + 1 exists */
 static inline void block_tile(const float *P, int64_t b, int next, const float *X, int64_t in_f, int R, float *acc,
                               int t, int T) {
@@ -294,6 +350,20 @@ static void linear_blocks(const float *P, const float *X, const float *B, float 
             b += 2;
             continue;
         }
+#if Q4_OK
+        if (is_q4(P) && M > RMAX) {
+            float many[MANY * NB] __attribute__((aligned(64)));
+            const int64_t bs = (in_f / 32) * QG;
+            for (int64_t m0 = 0; m0 < M; m0 += MANY) {
+                const int64_t R = M - m0 < MANY ? M - m0 : MANY;
+                q4_many(q4_at(P) + b * bs, X + m0 * in_f, in_f, R, many,
+                        b + 1 < hi && m0 == 0 ? q4_at(P) + (b + 1) * bs : 0);
+                store_block(Y, many, B, b, out_f, m0, (int)R);
+            }
+            b++;
+            continue;
+        }
+#endif
         const int T = tile_count(M);
         int t = 0;
         for (int64_t m0 = 0; m0 < M; t++) {
@@ -354,6 +424,24 @@ static void gated_chunk(const float *G, const float *U, const float *X, float *Y
     for (int64_t b = 0; b < nblk; b++) {
         float g[RMAX * NB], u[RMAX * NB];
         const int64_t o0 = b * NB, n = out_f - o0 < NB ? out_f - o0 : NB;
+#if Q4_OK
+        if (is_q4(G) && is_q4(U) && M > RMAX) {  /* each group decoded once for all row tiles (q4_many) */
+            float gm[MANY * NB] __attribute__((aligned(64))), um[MANY * NB] __attribute__((aligned(64)));
+            const int64_t bs = (in_f / 32) * QG;
+            for (int64_t m0 = 0; m0 < M; m0 += MANY) {
+                const int64_t R = M - m0 < MANY ? M - m0 : MANY;
+                const int first = b + 1 < nblk && m0 == 0;
+                q4_many(q4_at(G) + b * bs, X + m0 * in_f, in_f, R, gm, first ? q4_at(G) + (b + 1) * bs : 0);
+                q4_many(q4_at(U) + b * bs, X + m0 * in_f, in_f, R, um, first ? q4_at(U) + (b + 1) * bs : 0);
+                for (int64_t r = 0; r < R; r++)
+                    for (int64_t o = 0; o < n; o++) {
+                        const float gv = gm[r * NB + o];
+                        Y[(m0 + r) * out_f + o0 + o] = gv / (1.0f + expf(-gv)) * um[r * NB + o];
+                    }
+            }
+            continue;
+        }
+#endif
         int t = 0;
         for (int64_t m0 = 0; m0 < M; t++) {
             const int R = tile_rows(M - m0);

@@ -41,8 +41,8 @@ def test_q4_products_give_the_float32_products_bits(monkeypatch):
     g = torch.Generator().manual_seed(1)
     w, b = q4_weight(100, 64, g), torch.randn(100, generator=g)
     gate, up = q4_weight(96, 64, g), q4_weight(96, 64, g)
-    x = torch.randn(30, 64, generator=g)
-    for rows in (1, 2, 3, 4, 8, 13, 17, 30):
+    x = torch.randn(130, 64, generator=g)
+    for rows in (1, 2, 3, 4, 8, 12, 13, 17, 30, 130):  # one tile; several, each group decoded once; passes of 96
         monkeypatch.setattr(cpukernel, "Q4_1", True)
         assert cpukernel.packed(w) & 1  # read as Q4_1 codes
         q4 = cpukernel.rows_linear(x[:rows], w, b), cpukernel.rows_gated(x[:rows], gate, up)
