@@ -6,6 +6,7 @@ another git revision, on SmolLM2-135M's weight shapes at the row counts a decodi
     .venv/bin/python benchmarks/kernel.py --attention 256 512 --rows 1 4 8 16 32   # attention alone
     .venv/bin/python benchmarks/kernel.py --attention 256 --rows 8 16 --against 817d914   # and another revision's
     .venv/bin/python benchmarks/kernel.py --screen --rows 1 4 8 16 32 64   # greedy tokens: int8 screen vs lm_head
+    .venv/bin/python benchmarks/kernel.py --q4 --shapes 1536x576 576x1536 --rows 1 2 4 8 16 64   # Q4_1 codes
 
 Each shape gets enough distinct random weights to fill 64 MB (more than the last-level cache), so every sweep
 reads them from memory as a decoding pass does. The layouts are interleaved within each repeat in a new random order
@@ -213,6 +214,47 @@ def time_screen(rows_list: list[int], repeats: int) -> None:
         print(f"M {m:>3}: whole lm_head {whole:6.2f}  screen {screen:6.2f}  ratio {screen / whole:.2f}", flush=True)
 
 
+def q4_weight(out_f: int, in_f: int, gen: torch.Generator) -> torch.Tensor:
+    """A random weight in the form transformers gives a GGUF Q4_1 tensor: `d * q + m` in float32, float16 d and m
+    per 32 inputs of an output, codes q in 0..15 with 0 and 15 in every group (as ggml's quantizer makes them)."""
+    d = (torch.rand(out_f, in_f // 32, 1, generator=gen) * 0.02).half().float()
+    m = (-torch.rand(out_f, in_f // 32, 1, generator=gen) * 0.2).half().float()
+    q = torch.randint(0, 16, (out_f, in_f // 32, 32), generator=gen)
+    q[..., 0], q[..., 1] = 0, 15
+    return (d * q.float() + m).reshape(out_f, in_f)
+
+
+def time_q4(shapes: list[str], rows_list: list[int], repeats: int, total_mb: int = 400) -> None:
+    """Products of weights in GGUF Q4_1 form: read as their codes (`cpukernel.Q4_1`, the default) against their
+    float32 copies, on enough distinct weights of each shape to hold `total_mb` MB in float32 (more than this
+    machine's last-level cache reaches), interleaved; the outputs checked bit for bit."""
+    g = torch.Generator().manual_seed(0)
+    print(f"threads {torch.get_num_threads()}; us per weight, median of {repeats}, {total_mb} MB of float32 weights")
+    for shape in shapes:
+        out_f, in_f = map(int, shape.split("x"))
+        ws = [q4_weight(out_f, in_f, g) for _ in range(max(1, total_mb * 2 ** 20 // (4 * out_f * in_f)))]
+        for q4 in (False, True):  # both layouts made before timing
+            cpukernel.Q4_1 = q4
+            for w in ws:
+                cpukernel.packed(w)
+        for m in rows_list:
+            x = torch.randn(m, in_f, generator=g)
+            outs, times = {}, {False: [], True: []}
+            for r in range(repeats):
+                for q4 in ((False, True) if r % 2 else (True, False)):
+                    cpukernel.Q4_1 = q4
+                    t0 = time.perf_counter()
+                    for w in ws:
+                        y = cpukernel.rows_linear(x, w, None)
+                    times[q4].append((time.perf_counter() - t0) / len(ws) * 1e6)
+                    outs[q4] = y
+            assert torch.equal(outs[False], outs[True]), (shape, m)
+            f32, q4 = statistics.median(times[False]), statistics.median(times[True])
+            print(f"{shape} M {m:>3}: float32 {f32:7.1f}  Q4_1 codes {q4:7.1f}  ({f32 / q4:.2f}x), same bits",
+                  flush=True)
+    cpukernel.Q4_1 = True
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), help="out x in, e.g. 576x1536")
@@ -226,7 +268,12 @@ def main() -> None:
                          "eagle.attention falls back to) at these cached lengths, for --rows query rows")
     ap.add_argument("--screen", action="store_true",
                     help="only time greedy tokens from SmolLM2's lm_head: the int8 screen against the whole lm_head")
+    ap.add_argument("--q4", action="store_true",
+                    help="only time weights in GGUF Q4_1 form: read as codes against their float32 copies")
     args = ap.parse_args()
+    if args.q4:
+        time_q4(args.shapes, args.rows, args.repeats)
+        return
     if args.screen:
         time_screen(args.rows, args.repeats)
         return
