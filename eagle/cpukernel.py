@@ -207,7 +207,9 @@ static inline void store_block(float *Y, const float *acc, const float *B, int64
    tagged with its lowest bit set. */
 #define QG (256 + 32 * 16)
 static inline int is_q4(const float *P) { return (int)((uintptr_t)P & 1); }
-static inline const unsigned char *q4_at(const float *P) { return (const unsigned char *)((uintptr_t)P & ~(uintptr_t)1); }
+static inline const unsigned char *q4_at(const float *P) {
+    return (const unsigned char *)((uintptr_t)P & ~(uintptr_t)1);
+}
 #if defined(__AVX512F__)
 static inline void q4_decode(const unsigned char *c, const vw *d, const vw *m, vw *w) {
     const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)c));
@@ -233,20 +235,26 @@ static inline void q4_decode(const unsigned char *c, const vw *d, const vw *m, v
 #endif
 int q4_supported(void) { return Q4_OK; }
 #if Q4_OK
+/* group g of a block: its d and m loaded, the same group of the next block (ahead, if any) prefetched; its codes */
+static inline const unsigned char *q4_group(const unsigned char *Q, int64_t g, const unsigned char *ahead, vw *d,
+                                            vw *m) {
+    const unsigned char *G = Q + g * QG;
+    if (ahead)
+        for (int l = 0; l < QG / 64; l++) __builtin_prefetch(ahead + g * QG + 64 * l, 0, 2);
+    for (int j = 0; j < NV; j++) {
+        d[j] = loadw((const float *)G + j * (NB / NV));
+        m[j] = loadw((const float *)G + NB + j * (NB / NV));
+    }
+    return G;
+}
 static inline __attribute__((always_inline)) void tile_q4(const unsigned char *Q, const float *X, int64_t in_f, int R,
                                                            float *acc, const unsigned char *ahead) {
     vw a[RMAX][NV];
     for (int r = 0; r < R; r++)
         for (int j = 0; j < NV; j++) a[r][j] = (vw){0};
     for (int64_t g = 0; g < in_f / 32; g++) {
-        const unsigned char *G = Q + g * QG;
-        if (ahead)
-            for (int l = 0; l < QG / 64; l++) __builtin_prefetch(ahead + g * QG + 64 * l, 0, 2);
         vw d[NV], m[NV];
-        for (int j = 0; j < NV; j++) {
-            d[j] = loadw((const float *)G + j * (NB / NV));
-            m[j] = loadw((const float *)G + NB + j * (NB / NV));
-        }
+        const unsigned char *G = q4_group(Q, g, ahead, d, m);
         for (int k = 0; k < 32; k++) {
             vw w[NV];
             q4_decode(G + 256 + 16 * k, d, m, w);
@@ -302,14 +310,8 @@ static void q4_many(const unsigned char *Q, const float *X, int64_t in_f, int64_
     float S[32 * NB] __attribute__((aligned(64)));
     memset(acc, 0, sizeof(float) * M * NB);
     for (int64_t g = 0; g < in_f / 32; g++) {
-        const unsigned char *G = Q + g * QG;
-        if (ahead)
-            for (int l = 0; l < QG / 64; l++) __builtin_prefetch(ahead + g * QG + 64 * l, 0, 2);
         vw d[NV], m[NV];
-        for (int j = 0; j < NV; j++) {
-            d[j] = loadw((const float *)G + j * (NB / NV));
-            m[j] = loadw((const float *)G + NB + j * (NB / NV));
-        }
+        const unsigned char *G = q4_group(Q, g, ahead, d, m);
         for (int k = 0; k < 32; k++) {
             vw w[NV];
             q4_decode(G + 256 + 16 * k, d, m, w);
