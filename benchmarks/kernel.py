@@ -214,16 +214,6 @@ def time_screen(rows_list: list[int], repeats: int) -> None:
         print(f"M {m:>3}: whole lm_head {whole:6.2f}  screen {screen:6.2f}  ratio {screen / whole:.2f}", flush=True)
 
 
-def q4_weight(out_f: int, in_f: int, gen: torch.Generator) -> torch.Tensor:
-    """A random weight in the form transformers gives a GGUF Q4_1 tensor: `d * q + m` in float32, float16 d and m
-    per 32 inputs of an output, codes q in 0..15 with 0 and 15 in every group (as ggml's quantizer makes them)."""
-    d = (torch.rand(out_f, in_f // 32, 1, generator=gen) * 0.02).half().float()
-    m = (-torch.rand(out_f, in_f // 32, 1, generator=gen) * 0.2).half().float()
-    q = torch.randint(0, 16, (out_f, in_f // 32, 32), generator=gen)
-    q[..., 0], q[..., 1] = 0, 15
-    return (d * q.float() + m).reshape(out_f, in_f)
-
-
 def time_q4(shapes: list[str], rows_list: list[int], repeats: int, total_mb: int = 400) -> None:
     """Products of weights in GGUF Q4_1 form: read as their codes (`cpukernel.Q4_1`, the default) against their
     float32 copies, on enough distinct weights of each shape to hold `total_mb` MB in float32 (more than this
@@ -232,7 +222,8 @@ def time_q4(shapes: list[str], rows_list: list[int], repeats: int, total_mb: int
     print(f"threads {torch.get_num_threads()}; us per weight, median of {repeats}, {total_mb} MB of float32 weights")
     for shape in shapes:
         out_f, in_f = map(int, shape.split("x"))
-        ws = [q4_weight(out_f, in_f, g) for _ in range(max(1, total_mb * 2 ** 20 // (4 * out_f * in_f)))]
+        count = max(1, total_mb * 2 ** 20 // (4 * out_f * in_f))
+        ws = [cpukernel.q4_1_weight(out_f, in_f, g) for _ in range(count)]
         for q4 in (False, True):  # both layouts made before timing
             cpukernel.Q4_1 = q4
             for w in ws:

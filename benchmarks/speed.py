@@ -132,11 +132,12 @@ def main() -> None:
     bw = bandwidth_gb_s()
     rows = [1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32]
     text = real_text(dec, args.data, args.context + max(rows))
-    curves = {name: {r: [] for r in rows} for name in ("stock", "fast_whole_lm_head", "fast_float32", "fast")}
+    settings = {"stock": (False, False, False), "fast_whole_lm_head": (True, False, False),  # (fast, screen, q4)
+                "fast_float32": (True, True, False), "fast": (True, True, True)}
+    curves = {name: {r: [] for r in rows} for name in settings}
     for _ in range(3):  # interleave them so drift hits all alike
-        for name in curves:
-            for r, ms in pass_ms(dec, text, args.context, rows, args.repeats, name != "stock",
-                                 name.startswith("fast_f") or name == "fast", name == "fast").items():
+        for name, (fast, screen, q4) in settings.items():
+            for r, ms in pass_ms(dec, text, args.context, rows, args.repeats, fast, screen, q4).items():
                 curves[name][r].append(ms)
     curve = {name: {r: statistics.median(v) for r, v in c.items()} for name, c in curves.items()}
     print("| new tokens M | stock ms | fast, whole lm_head ms | fast, float32 weights ms | fast ms | "

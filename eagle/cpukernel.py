@@ -210,6 +210,10 @@ static inline int is_q4(const float *P) { return (int)((uintptr_t)P & 1); }
 static inline const unsigned char *q4_at(const float *P) {
     return (const unsigned char *)((uintptr_t)P & ~(uintptr_t)1);
 }
+/* block b of the Q4_1 weight at tagged address P */
+static inline const unsigned char *q4_block(const float *P, int64_t b, int64_t in_f) {
+    return q4_at(P) + b * (in_f / 32) * QG;
+}
 #if defined(__AVX512F__)
 static inline void q4_decode(const unsigned char *c, const vw *d, const vw *m, vw *w) {
     const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)c));
@@ -331,8 +335,7 @@ static inline void block_tile(const float *P, int64_t b, int next, const float *
                               int t, int T) {
 #if Q4_OK
     if (is_q4(P)) {
-        const unsigned char *Q = q4_at(P) + b * (in_f / 32) * QG;
-        Q4TILES[R](Q, X, in_f, acc, next && t == 0 ? Q + (in_f / 32) * QG : 0);
+        Q4TILES[R](q4_block(P, b, in_f), X, in_f, acc, next && t == 0 ? q4_block(P, b + 1, in_f) : 0);
         return;
     }
 #endif
@@ -355,11 +358,10 @@ static void linear_blocks(const float *P, const float *X, const float *B, float 
 #if Q4_OK
         if (is_q4(P) && M > RMAX) {
             float many[MANY * NB] __attribute__((aligned(64)));
-            const int64_t bs = (in_f / 32) * QG;
             for (int64_t m0 = 0; m0 < M; m0 += MANY) {
                 const int64_t R = M - m0 < MANY ? M - m0 : MANY;
-                q4_many(q4_at(P) + b * bs, X + m0 * in_f, in_f, R, many,
-                        b + 1 < hi && m0 == 0 ? q4_at(P) + (b + 1) * bs : 0);
+                q4_many(q4_block(P, b, in_f), X + m0 * in_f, in_f, R, many,
+                        b + 1 < hi && m0 == 0 ? q4_block(P, b + 1, in_f) : 0);
                 store_block(Y, many, B, b, out_f, m0, (int)R);
             }
             b++;
@@ -418,6 +420,16 @@ void rows_gated(const float *G, const float *U, const float *X, float *Y,
         gated_chunk(G, U, X + c * in_f, Y + c * out_f, out_f, in_f, M - c < chunk ? M - c : chunk, nthreads);
 }
 
+/* Y[m0 + r, o0 + o] = silu(g[r, o]) * u[r, o] for r < R, o < n (g and u: R rows of NB sums) */
+static inline void store_gated(float *Y, const float *g, const float *u, int64_t out_f, int64_t o0, int64_t n,
+                               int64_t m0, int64_t R) {
+    for (int64_t r = 0; r < R; r++)
+        for (int64_t o = 0; o < n; o++) {
+            const float gv = g[r * NB + o];
+            Y[(m0 + r) * out_f + o0 + o] = gv / (1.0f + expf(-gv)) * u[r * NB + o];
+        }
+}
+
 static void gated_chunk(const float *G, const float *U, const float *X, float *Y, int64_t out_f, int64_t in_f,
                         int64_t M, int nthreads) {
     const int64_t nblk = (out_f + NB - 1) / NB;
@@ -429,17 +441,12 @@ static void gated_chunk(const float *G, const float *U, const float *X, float *Y
 #if Q4_OK
         if (is_q4(G) && is_q4(U) && M > RMAX) {  /* each group decoded once for all row tiles (q4_many) */
             float gm[MANY * NB] __attribute__((aligned(64))), um[MANY * NB] __attribute__((aligned(64)));
-            const int64_t bs = (in_f / 32) * QG;
             for (int64_t m0 = 0; m0 < M; m0 += MANY) {
                 const int64_t R = M - m0 < MANY ? M - m0 : MANY;
                 const int first = b + 1 < nblk && m0 == 0;
-                q4_many(q4_at(G) + b * bs, X + m0 * in_f, in_f, R, gm, first ? q4_at(G) + (b + 1) * bs : 0);
-                q4_many(q4_at(U) + b * bs, X + m0 * in_f, in_f, R, um, first ? q4_at(U) + (b + 1) * bs : 0);
-                for (int64_t r = 0; r < R; r++)
-                    for (int64_t o = 0; o < n; o++) {
-                        const float gv = gm[r * NB + o];
-                        Y[(m0 + r) * out_f + o0 + o] = gv / (1.0f + expf(-gv)) * um[r * NB + o];
-                    }
+                q4_many(q4_block(G, b, in_f), X + m0 * in_f, in_f, R, gm, first ? q4_block(G, b + 1, in_f) : 0);
+                q4_many(q4_block(U, b, in_f), X + m0 * in_f, in_f, R, um, first ? q4_block(U, b + 1, in_f) : 0);
+                store_gated(Y, gm, um, out_f, o0, n, m0, R);
             }
             continue;
         }
@@ -453,11 +460,7 @@ static void gated_chunk(const float *G, const float *U, const float *X, float *Y
                 block_tile(G, b, b + 1 < nblk, X + m0 * in_f, in_f, R, g, t, T);
                 block_tile(U, b, b + 1 < nblk, X + m0 * in_f, in_f, R, u, t, T);
             }
-            for (int r = 0; r < R; r++)
-                for (int64_t o = 0; o < n; o++) {
-                    const float gv = g[r * NB + o];
-                    Y[(m0 + r) * out_f + o0 + o] = gv / (1.0f + expf(-gv)) * u[r * NB + o];
-                }
+            store_gated(Y, g, u, out_f, o0, n, m0, R);
             m0 += R;
         }
     }
@@ -1275,6 +1278,17 @@ def q4_1_codes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.
         if done.all():
             return q_out.reshape(out_f, in_f), d_out.squeeze(-1), lo.squeeze(-1)
     return None
+
+
+def q4_1_weight(out_f: int, in_f: int, generator: torch.Generator) -> torch.Tensor:
+    """A random weight in the form `q4_1_codes` finds (for tests and benchmarks): float16 d in [0, 0.02) and m in
+    (-0.2, 0] per 32 inputs of an output, codes q in 0..15 with 0 and 15 in every group (ggml's quantizer gives a
+    group's least value code 0 and its largest 15), then `d * q + m` in float32 as transformers computes it."""
+    d = (torch.rand(out_f, in_f // 32, 1, generator=generator) * 0.02).half().float()
+    m = (-torch.rand(out_f, in_f // 32, 1, generator=generator) * 0.2).half().float()
+    q = torch.randint(0, 16, (out_f, in_f // 32, 32), generator=generator)
+    q[..., 0], q[..., 1] = 0, 15
+    return (d * q.float() + m).reshape(out_f, in_f)
 
 
 def pack_q4(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:

@@ -11,19 +11,9 @@ pytestmark = pytest.mark.skipif(not (cpukernel.available() and cpukernel.library
                                 reason="the C kernel does not build here or has no Q4_1 path (AVX2 or AVX-512)")
 
 
-def q4_weight(out_f: int, in_f: int, gen: torch.Generator) -> torch.Tensor:
-    """A weight as transformers loads a GGUF Q4_1 tensor: per 32 inputs of an output, float16 d and m and codes q
-    in 0..15 (ggml gives a group's least value code 0 and its largest 15), then `d * q + m` in float32."""
-    d = (torch.rand(out_f, in_f // 32, 1, generator=gen) * 0.02).half().float()
-    m = (-torch.rand(out_f, in_f // 32, 1, generator=gen) * 0.2).half().float()
-    q = torch.randint(0, 16, (out_f, in_f // 32, 32), generator=gen)
-    q[..., 0], q[..., 1] = 0, 15
-    return (d * q.float() + m).reshape(out_f, in_f)
-
-
 def test_q4_1_form_is_found_and_decodes_to_the_weight_bit_for_bit():
     g = torch.Generator().manual_seed(0)
-    w = q4_weight(100, 96, g)
+    w = cpukernel.q4_1_weight(100, 96, g)
     q, d, m = cpukernel.q4_1_codes(w)
     assert q.dtype == torch.uint8 and int(q.max()) <= 15 and d.shape == m.shape == (100, 3)
     back = d.repeat_interleave(32, 1) * q.float() + m.repeat_interleave(32, 1)
@@ -39,8 +29,8 @@ def test_q4_1_form_is_found_and_decodes_to_the_weight_bit_for_bit():
 def test_q4_products_give_the_float32_products_bits(monkeypatch):
     # the same float32 weights and the same sums in the same order, so the same bits, for every row count
     g = torch.Generator().manual_seed(1)
-    w, b = q4_weight(100, 64, g), torch.randn(100, generator=g)
-    gate, up = q4_weight(96, 64, g), q4_weight(96, 64, g)
+    w, b = cpukernel.q4_1_weight(100, 64, g), torch.randn(100, generator=g)
+    gate, up = cpukernel.q4_1_weight(96, 64, g), cpukernel.q4_1_weight(96, 64, g)
     x = torch.randn(130, 64, generator=g)
     for rows in (1, 2, 3, 4, 8, 12, 13, 17, 30, 130):  # one tile; several, each group decoded once; passes of 96
         monkeypatch.setattr(cpukernel, "Q4_1", True)
@@ -58,7 +48,7 @@ def test_decoding_a_q4_1_target_is_the_same_with_and_without_the_codes(monkeypat
     with torch.no_grad():
         for mod in target.model.model.layers.modules():
             if isinstance(mod, torch.nn.Linear):
-                mod.weight.copy_(q4_weight(*mod.weight.shape, g))
+                mod.weight.copy_(cpukernel.q4_1_weight(*mod.weight.shape, g))
     dec = SpeculativeDecoder(target, tiny_head(target))
     prompt = [5, 9, 14, 22, 7]
     runs = []
