@@ -9,7 +9,11 @@
   A weight dequantized from GGUF Q4_1 (as transformers loads a `.gguf` file: `d * q + m` in float32 with float16
   d, m per 32 inputs of an output and 4-bit q) is kept as those codes instead (`q4_1_codes`, `pack_q4`: 0.75 bytes
   a weight, 4 before) and decoded in registers to the same float32 values, so every product keeps its bits while a
-  one-token step reads a fifth of the bytes (SmolLM2: all 210 decoder weights; BENCHMARKS.md).
+  one-token step reads a fifth of the bytes (SmolLM2: all 210 decoder weights; BENCHMARKS.md). Where the CPU has
+  AMX tiles (Sapphire Rapids and later) those codes are multiplied on them instead (`amx_on`; `EAGLE_NO_AMX=1`
+  keeps the FMA path): bfloat16 tile products of the exact codes and of each input split exactly into three
+  bfloat16 parts, so float32 accuracy, other bits than the float32 path's, and 16 rows at about twice the cost of
+  one instead of four times.
 - `rows_gated`: a gated MLP's `silu(x @ G.T) * (x @ U.T)` in one pass over both weights.
 - `rms_norm`: an RMS norm of each row in one call (the stock module is eight small torch ops).
 - `attend`: attention of a few query rows over the KV cache, grouped-query heads read in place.
@@ -24,7 +28,8 @@
   With AVX512-VNNI the int8 estimate is integer arithmetic on x rounded to int16 (its rounding in the bound too).
 
 Every output row is computed alone, in the same order whatever the number of rows (each product summed over the
-inputs in order, one FMA each; a fixed reduction elsewhere; masked keys adding exact zeros), so a verification pass
+inputs in order, one FMA each, or on AMX tiles group by group; a fixed reduction elsewhere; masked keys adding exact
+zeros), so a verification pass
 over M tokens gives each token exactly the bits a single-token step gives it (tests/test_attention.py checks a
 whole model).
 
@@ -206,7 +211,7 @@ static inline void store_block(float *Y, const float *acc, const float *B, int64
    holding output j's q in its low four bits and output 16 + j's in its high four. The address of such a weight is
    tagged with its lowest bit set. */
 #define QG (256 + 32 * 16)
-static inline int is_q4(const float *P) { return (int)((uintptr_t)P & 1); }
+static inline int is_q4(const float *P) { return ((uintptr_t)P & 3) == 1; }
 static inline const unsigned char *q4_at(const float *P) {
     return (const unsigned char *)((uintptr_t)P & ~(uintptr_t)1);
 }
@@ -214,6 +219,34 @@ static inline const unsigned char *q4_at(const float *P) {
 static inline const unsigned char *q4_block(const float *P, int64_t b, int64_t in_f) {
     return q4_at(P) + b * (in_f / 32) * QG;
 }
+
+/* Q4_1 weights through AMX (Sapphire Rapids and later): bfloat16 tile products with float32 accuracy. The codes q
+   (0..15) are exact in bfloat16, and each input x is split exactly into three bfloat16 parts (x = hi + mid + lo:
+   three 8-bit pieces of its 24-bit significand), so a tile product sums exact products x q in float32. For each
+   group g of 32 inputs and output o: y[o] += d[g, o] * (sum over the group of x q) + m[g, o] * (sum over the group
+   of x), in float32, group after group. Every row is computed alone, in the same order, whatever the row count, so
+   a row gets the same bits alone or in a verification pass. (These are not the float32 path's bits: the sums run
+   in another order. Measured: closer to float64 than the float32 path.) The weight layout is QG bytes per group as
+   above, the code bytes ordered for `amx_decode`; its address is tagged with its two lowest bits set. */
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BW__)
+#define AMX_OK 1
+#else
+#define AMX_OK 0
+#endif
+static inline int is_amx(const float *P) { return ((uintptr_t)P & 3) == 2; }
+static inline int is_float(const float *P) { return ((uintptr_t)P & 3) == 0; }
+static inline const unsigned char *amx_at(const float *P) {
+    return (const unsigned char *)((uintptr_t)P & ~(uintptr_t)3);
+}
+#if AMX_OK
+typedef struct { uint16_t *XS; float *S, *acc; int64_t M, Mp, in_f; int R; } amx_rows;
+static amx_rows amx_prepare(const float *X, int64_t M, int64_t in_f);
+static void amx_block(const unsigned char *Q, const amx_rows *a, float *acc, const unsigned char *ahead);
+static void amx_linear(const float *P, const float *X, const float *B, float *Y, int64_t lo, int64_t hi,
+                       int64_t out_f, int64_t in_f, int64_t M);
+static void amx_gated(const float *G, const float *U, const float *X, float *Y, int64_t out_f, int64_t in_f,
+                      int64_t M, int nthreads);
+#endif
 #if defined(__AVX512F__)
 static inline void q4_decode(const unsigned char *c, const vw *d, const vw *m, vw *w) {
     const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)c));
@@ -333,6 +366,13 @@ static void q4_many(const unsigned char *Q, const float *X, int64_t in_f, int64_
 /* rows m0 .. m0 + R - 1 of X against block b of weight P (either layout) into acc; `next`: block b + 1 exists */
 static inline void block_tile(const float *P, int64_t b, int next, const float *X, int64_t in_f, int R, float *acc,
                               int t, int T) {
+#if AMX_OK
+    if (is_amx(P)) {  /* a gate or up weight whose partner is not in the AMX layout */
+        const amx_rows a = amx_prepare(X, R, in_f);
+        amx_block(amx_at(P) + b * (in_f / 32) * QG, &a, acc, 0);
+        return;
+    }
+#endif
 #if Q4_OK
     if (is_q4(P)) {
         Q4TILES[R](q4_block(P, b, in_f), X, in_f, acc, next && t == 0 ? q4_block(P, b + 1, in_f) : 0);
@@ -347,8 +387,14 @@ static inline void block_tile(const float *P, int64_t b, int next, const float *
 static void linear_blocks(const float *P, const float *X, const float *B, float *Y,
                           int64_t lo, int64_t hi, int64_t out_f, int64_t in_f, int64_t M) {
     float acc[RMAX * NB];
+#if AMX_OK
+    if (is_amx(P)) {
+        amx_linear(P, X, B, Y, lo, hi, out_f, in_f, M);
+        return;
+    }
+#endif
     for (int64_t b = lo; b < hi;) {
-        if (M <= PAIR_RMAX && b + 1 < hi && !is_q4(P)) {
+        if (M <= PAIR_RMAX && b + 1 < hi && is_float(P)) {
             PAIRS[M](P + b * in_f * NB, P + (b + 1) * in_f * NB, X, in_f, acc, acc + PAIR_RMAX * NB);
             store_block(Y, acc, B, b, out_f, 0, (int)M);
             store_block(Y, acc + PAIR_RMAX * NB, B, b + 1, out_f, 0, (int)M);
@@ -430,8 +476,184 @@ static inline void store_gated(float *Y, const float *g, const float *u, int64_t
         }
 }
 
+#if AMX_OK
+#include <sys/syscall.h>
+#include <unistd.h>
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+/* Linux lets a process use AMX tiles once it asks: 1 when it may */
+int amx_enable(void) { return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0; }
+
+/* tiles 0, 1: sums of the two halves (16 outputs each) of a block, R rows; 2, 3, 4: the three parts of R input
+   rows (32 inputs); 5, 6: the two halves' codes as bfloat16, pairs of inputs side by side. Loaded once per thread
+   and row count. */
+typedef struct { uint8_t palette, start; uint8_t reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; } tile_config;
+static __thread int amx_rows_loaded;
+static void amx_config(int R) {
+    if (amx_rows_loaded == R) return;
+    tile_config c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 7; t++) {
+        c.rows[t] = t < 5 ? R : 16;
+        c.colsb[t] = 64;
+    }
+    _tile_loadconfig(&c);
+    amx_rows_loaded = R;
+}
+
+/* a group's 512 code bytes into T: two 1 KB tiles (16 pairs of inputs x 16 outputs x 2) of bfloat16 codes. Each 64
+   bytes hold four tile rows: the low four bits of bytes 16 j .. 16 j + 7 are words 8 j .. 8 j + 7 of the first
+   row, of bytes 16 j + 8 .. 16 j + 15 those of the second, and the high four bits the third and the fourth. */
+static inline void amx_decode(const unsigned char *C, uint16_t *T) {
+    const __m512i lo_byte = _mm512_broadcast_i32x4(_mm_setr_epi8(0, -128, 0, 64, -128, -96, -64, -32,
+                                                                 0, 16, 32, 48, 64, 80, 96, 112));
+    const __m512i hi_byte = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 63, 64, 64, 64, 64, 64, 64,
+                                                                 65, 65, 65, 65, 65, 65, 65, 65));
+    const __m512i f = _mm512_set1_epi8(15);
+    for (int s = 0; s < 8; s++) {
+        const __m512i v = _mm512_loadu_si512(C + 64 * s);
+        const __m512i n[2] = {_mm512_and_si512(v, f), _mm512_and_si512(_mm512_srli_epi16(v, 4), f)};
+        for (int h = 0; h < 2; h++) {
+            const __m512i L = _mm512_shuffle_epi8(lo_byte, n[h]), H = _mm512_shuffle_epi8(hi_byte, n[h]);
+            _mm512_store_si512(T + 128 * s + 64 * h, _mm512_unpacklo_epi8(L, H));
+            _mm512_store_si512(T + 128 * s + 64 * h + 32, _mm512_unpackhi_epi8(L, H));
+        }
+    }
+}
+
+/* this thread's buffer of at least n bytes (grown, never shrunk) */
+static void *amx_buffer(size_t n) {
+    static __thread void *buf;
+    static __thread size_t cap;
+    if (n > cap) {
+        free(buf);
+        cap = (n + 4095) / 4096 * 4096;
+        buf = aligned_alloc(64, cap);
+    }
+    return buf;
+}
+
+/* M input rows made ready for tile products: XS [3][Mp][in] their bfloat16 parts (rows past M zero), S [M][in /
+   32] each group's float32 sum (in order), acc [Mp][NB] room for one block's sums; tiles of R rows */
+static amx_rows amx_prepare(const float *X, int64_t M, int64_t in_f) {
+    amx_rows a;
+    const int64_t tiles = (M + 15) / 16;
+    a.R = (int)((M + tiles - 1) / tiles);
+    a.M = M, a.Mp = tiles * a.R, a.in_f = in_f;
+    const int64_t ng = in_f / 32;
+    char *buf = amx_buffer(a.Mp * (6 * in_f + 4 * ng + 8 * NB) + 64);
+    a.acc = (float *)buf;
+    a.XS = (uint16_t *)(a.acc + 2 * a.Mp * NB);
+    a.S = (float *)(a.XS + 3 * a.Mp * in_f);
+    for (int64_t r = 0; r < a.Mp; r++)
+        for (int64_t i = 0; i < in_f; i += 16) {
+            __m512 x = r < M ? _mm512_loadu_ps(X + r * in_f + i) : _mm512_setzero_ps();
+            for (int p = 0; p < 3; p++) {
+                const __m512i top = _mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32((int)0xFFFF0000u));
+                _mm256_storeu_si256((__m256i *)(a.XS + (p * a.Mp + r) * in_f + i),
+                                    _mm512_cvtepi32_epi16(_mm512_srli_epi32(top, 16)));
+                x = _mm512_sub_ps(x, _mm512_castsi512_ps(top));  /* exact: the bits below the top 16 */
+            }
+        }
+    for (int64_t r = 0; r < M; r++)
+        for (int64_t g = 0; g < ng; g++) {
+            float s = 0.0f;
+            for (int k = 0; k < 32; k++) s += X[r * in_f + g * 32 + k];
+            a.S[r * ng + g] = s;
+        }
+    return a;
+}
+
+/* acc [M][NB]: the rows of a against block Q (the next block, ahead, prefetched if any) */
+static void amx_block(const unsigned char *Q, const amx_rows *a, float *acc, const unsigned char *ahead) {
+    uint16_t T[2 * 512] __attribute__((aligned(64)));
+    float C[2][16 * 16] __attribute__((aligned(64)));
+    const int64_t ng = a->in_f / 32, row = a->in_f * 2;
+    amx_config(a->R);
+    memset(acc, 0, sizeof(float) * a->M * NB);
+    for (int64_t g = 0; g < ng; g++) {
+        const unsigned char *G = Q + g * QG;
+        if (ahead)
+            for (int l = 0; l < QG / 64; l++) __builtin_prefetch(ahead + g * QG + 64 * l, 0, 2);
+        amx_decode(G + 256, T);
+        _tile_loadd(5, T, 64);
+        _tile_loadd(6, T + 512, 64);
+        const float *dm = (const float *)G;
+        const __m512 d0 = _mm512_loadu_ps(dm), d1 = _mm512_loadu_ps(dm + 16);
+        const __m512 m0 = _mm512_loadu_ps(dm + 32), m1 = _mm512_loadu_ps(dm + 48);
+        for (int64_t r0 = 0; r0 < a->M; r0 += a->R) {
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_loadd(2, a->XS + r0 * a->in_f + g * 32, row);
+            _tile_loadd(3, a->XS + (a->Mp + r0) * a->in_f + g * 32, row);
+            _tile_loadd(4, a->XS + (2 * a->Mp + r0) * a->in_f + g * 32, row);
+            _tile_dpbf16ps(0, 2, 5); _tile_dpbf16ps(1, 2, 6);
+            _tile_dpbf16ps(0, 3, 5); _tile_dpbf16ps(1, 3, 6);
+            _tile_dpbf16ps(0, 4, 5); _tile_dpbf16ps(1, 4, 6);
+            _tile_stored(0, C[0], 64);
+            _tile_stored(1, C[1], 64);
+            const int64_t n = a->M - r0 < a->R ? a->M - r0 : a->R;
+            for (int64_t r = 0; r < n; r++) {
+                float *y = acc + (r0 + r) * NB;
+                const __m512 s = _mm512_set1_ps(a->S[(r0 + r) * ng + g]);
+                const __m512 y0 = _mm512_fmadd_ps(_mm512_load_ps(C[0] + 16 * r), d0, _mm512_loadu_ps(y));
+                const __m512 y1 = _mm512_fmadd_ps(_mm512_load_ps(C[1] + 16 * r), d1, _mm512_loadu_ps(y + 16));
+                _mm512_storeu_ps(y, _mm512_fmadd_ps(m0, s, y0));
+                _mm512_storeu_ps(y + 16, _mm512_fmadd_ps(m1, s, y1));
+            }
+        }
+    }
+}
+
+#define AMX_PASS 256  /* input rows per pass of amx_linear */
+/* linear_blocks for a weight in the AMX layout */
+static void amx_linear(const float *P, const float *X, const float *B, float *Y, int64_t lo, int64_t hi,
+                       int64_t out_f, int64_t in_f, int64_t M) {
+    for (int64_t c = 0; c < M; c += AMX_PASS) {
+        const int64_t rows = M - c < AMX_PASS ? M - c : AMX_PASS;
+        const amx_rows a = amx_prepare(X + c * in_f, rows, in_f);
+        for (int64_t b = lo; b < hi; b++) {
+            const unsigned char *Q = amx_at(P) + b * (in_f / 32) * QG;
+            amx_block(Q, &a, a.acc, b + 1 < hi ? Q + (in_f / 32) * QG : 0);
+            store_block(Y, a.acc, B, b, out_f, c, (int)rows);
+        }
+    }
+}
+
+/* gated_chunk for gate and up weights in the AMX layout */
+static void amx_gated(const float *G, const float *U, const float *X, float *Y, int64_t out_f, int64_t in_f,
+                      int64_t M, int nthreads) {
+    const int64_t nblk = (out_f + NB - 1) / NB, ng = in_f / 32;
+    #pragma omp parallel num_threads(nthreads)
+    {
+        int64_t lo, hi;
+        share(nblk, &lo, &hi);
+        for (int64_t c = 0; c < M; c += AMX_PASS) {
+            const int64_t rows = M - c < AMX_PASS ? M - c : AMX_PASS;
+            const amx_rows a = amx_prepare(X + c * in_f, rows, in_f);
+            float *g = a.acc, *u = a.acc + a.Mp * NB;
+            for (int64_t b = lo; b < hi; b++) {
+                const int next = b + 1 < hi;
+                amx_block(amx_at(G) + b * ng * QG, &a, g, next ? amx_at(G) + (b + 1) * ng * QG : 0);
+                amx_block(amx_at(U) + b * ng * QG, &a, u, next ? amx_at(U) + (b + 1) * ng * QG : 0);
+                store_gated(Y, g, u, out_f, b * NB, out_f - b * NB < NB ? out_f - b * NB : NB, c, rows);
+            }
+        }
+    }
+}
+#else
+int amx_enable(void) { return 0; }
+#endif
+
 static void gated_chunk(const float *G, const float *U, const float *X, float *Y, int64_t out_f, int64_t in_f,
                         int64_t M, int nthreads) {
+#if AMX_OK
+    if (is_amx(G) && is_amx(U)) {
+        amx_gated(G, U, X, Y, out_f, in_f, M, nthreads);
+        return;
+    }
+#endif
     const int64_t nblk = (out_f + NB - 1) / NB;
     const int T = tile_count(M);
     #pragma omp parallel for num_threads(nthreads) schedule(static)
@@ -454,7 +676,7 @@ static void gated_chunk(const float *G, const float *U, const float *X, float *Y
         int t = 0;
         for (int64_t m0 = 0; m0 < M; t++) {
             const int R = tile_rows(M - m0);
-            if (R <= PAIR_RMAX && !is_q4(G) && !is_q4(U)) {
+            if (R <= PAIR_RMAX && is_float(G) && is_float(U)) {
                 PAIRS[R](G + b * in_f * NB, U + b * in_f * NB, X + m0 * in_f, in_f, g, u);
             } else {
                 block_tile(G, b, b + 1 < nblk, X + m0 * in_f, in_f, R, g, t, T);
@@ -1181,6 +1403,7 @@ def load(path: Path) -> ctypes.CDLL:
     lib.screen_argmax.restype = i64
     lib.screen_pairs.argtypes, lib.screen_pairs.restype = [], ctypes.c_int
     lib.q4_supported.argtypes, lib.q4_supported.restype = [], ctypes.c_int
+    lib.amx_enable.argtypes, lib.amx_enable.restype = [], ctypes.c_int
     for fn in (lib.rows_linear, lib.rows_gated, lib.rms_norm, lib.rope, lib.attend, lib.attention_block,
                lib.decoder_layer, lib.decoder_stack):
         fn.restype = None
@@ -1218,6 +1441,9 @@ def supports(weight: torch.Tensor) -> bool:
 PACK = 32  # outputs per packed block (NB in the C source)
 # read weights dequantized from GGUF Q4_1 in that form (`packed`); EAGLE_NO_Q4=1 keeps them in float32
 Q4_1 = not os.environ.get("EAGLE_NO_Q4")
+# multiply those codes on AMX tiles where the CPU and the kernel have them (float32 accuracy, other bits than the
+# float32 path's); EAGLE_NO_AMX=1 keeps the FMA path, which gives the float32 weights' bits
+AMX = not os.environ.get("EAGLE_NO_AMX")
 
 
 def pack(weight: torch.Tensor, pairs: bool = False) -> torch.Tensor:
@@ -1291,28 +1517,37 @@ def q4_1_weight(out_f: int, in_f: int, generator: torch.Generator) -> torch.Tens
     return (d * q.float() + m).reshape(out_f, in_f)
 
 
-def pack_q4(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+def pack_q4(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, amx: bool = False) -> torch.Tensor:
     """The product kernels' Q4_1 layout (see the C source) of codes q [out, in] with d, m [out, in / 32]: [ceil(out
-    / PACK), in / 32, 768] bytes; padding outputs decode to zero."""
+    / PACK), in / 32, 768] bytes; padding outputs decode to zero. With `amx`, the code bytes are ordered for the
+    AMX tiles (`amx_decode` in the C source)."""
     out_f, in_f = q.shape
     pad = -out_f % PACK
     if pad:
         q, d, m = (torch.cat([t, t.new_zeros(pad, t.shape[1])]) for t in (q, d, m))
     nb, ng = (out_f + pad) // PACK, in_f // 32
     dm = torch.stack([d, m]).reshape(2, nb, PACK, ng).permute(1, 3, 0, 2).contiguous()  # [nb, ng, 2, 32] floats
-    q = q.reshape(nb, 2, PACK // 2, ng, 32).permute(0, 3, 4, 1, 2)  # [nb, ng, input, half, j]
-    codes = q[..., 0, :] | (q[..., 1, :] << 4)  # byte j: output j's code low, output 16 + j's high
+    if amx:  # word w of tile row t (half t // 16): output 16 (t // 16) + w // 2, input 2 (t % 16) + w % 2
+        t, w = torch.arange(32).view(32, 1), torch.arange(32).view(1, 32)
+        words = q.reshape(nb, PACK, ng, 32).permute(0, 2, 1, 3)[:, :, 16 * (t // 16) + w // 2, 2 * (t % 16) + w % 2]
+        rows = words.reshape(nb, ng, 8, 4, 4, 8)  # [nb, ng, four rows s, row 4 s + r, j, e]: word 8 j + e
+        low = torch.stack([rows[:, :, :, 0], rows[:, :, :, 1]], dim=4)  # byte 16 j + 8 h + e: row 4 s + h
+        codes = low | (torch.stack([rows[:, :, :, 2], rows[:, :, :, 3]], dim=4) << 4)  # high bits: rows + 2
+    else:
+        q = q.reshape(nb, 2, PACK // 2, ng, 32).permute(0, 3, 4, 1, 2)  # [nb, ng, input, half, j]
+        codes = q[..., 0, :] | (q[..., 1, :] << 4)  # byte j: output j's code low, output 16 + j's high
     return torch.cat([dm.view(torch.uint8).reshape(nb, ng, 256), codes.reshape(nb, ng, 512)], dim=-1).contiguous()
 
 
 def _pack_any(weight: torch.Tensor) -> tuple[torch.Tensor, int]:
     """(the kept layout, the address the kernels take): Q4_1 codes where the weight has that form and the kernel
-    decodes it (the address tagged by its lowest bit), else `pack`'s float32 layout."""
+    decodes it (the address tagged 2 for AMX tiles, else 1), else `pack`'s float32 layout."""
     if Q4_1 and _q4_ok():
         form = q4_1_codes(weight)
         if form is not None:
-            layout = pack_q4(*form)
-            return layout, layout.data_ptr() | 1
+            amx = amx_on()
+            layout = pack_q4(*form, amx=amx)
+            return layout, layout.data_ptr() | (2 if amx else 1)
     layout = pack(weight)
     return layout, layout.data_ptr()
 
@@ -1322,18 +1557,34 @@ def _q4_ok() -> bool:
     return bool(lib is not None and lib.q4_supported())
 
 
+_amx: bool | None = None
+
+
+def amx_on() -> bool:
+    """Whether Q4_1 codes are multiplied on AMX tiles: the `AMX` switch, a kernel built with them, and the OS's
+    leave to use them (asked once per process)."""
+    global _amx
+    if _amx is None:
+        lib = _lib or library()
+        _amx = bool(lib is not None and lib.amx_enable())
+    return AMX and _amx
+
+
 def packed(weight: torch.Tensor) -> int:
     """Address of `weight` in the kernels' layout, made on first use and kept on the tensor itself until the weight
     changes in place (an optimizer step) or moves: Q4_1 codes for a weight dequantized from GGUF Q4_1 (0.75 bytes a
-    weight, decoded to the same float32 values: every product keeps its bits), else `pack`'s float32 copy (twice the
-    weight's memory). Each setting of `Q4_1` keeps its own copy, so a benchmark can switch between them."""
-    return _kept(weight, "_eagle_packed_q4" if Q4_1 else "_eagle_packed", _pack_any, Q4_1)[1]
+    weight; on the FMA path decoded to the same float32 values, so every product keeps its bits; on AMX tiles
+    (`amx_on`) summed in another order with float32 accuracy), else `pack`'s float32 copy (twice the weight's memory).
+    Each setting of `Q4_1` and `AMX` keeps its own copy, so a benchmark can switch between them."""
+    name = ("_eagle_packed_amx" if amx_on() else "_eagle_packed_q4") if Q4_1 else "_eagle_packed"
+    return _kept(weight, name, _pack_any, Q4_1, amx_on())[1]
 
 
 def unpack(weight: torch.Tensor) -> None:
     """Drop the copies the kernels keep on `weight` (`packed`, `screen_tables`), and their memory."""
     weight.__dict__.pop("_eagle_packed", None)
     weight.__dict__.pop("_eagle_packed_q4", None)
+    weight.__dict__.pop("_eagle_packed_amx", None)
     weight.__dict__.pop("_eagle_screen", None)
 
 

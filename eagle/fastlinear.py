@@ -614,9 +614,9 @@ def _stack_table(mod: nn.Module, cache_layers: list) -> tuple:
     `cpukernel.packed` would)."""
     weights = [w for layer in mod.layers for w in _stack_params(layer)]
     try:
-        key = [cpukernel.Q4_1, *((w._version, w.data_ptr()) for w in weights)]
+        key = [cpukernel.Q4_1, cpukernel.amx_on(), *((w._version, w.data_ptr()) for w in weights)]
     except RuntimeError:  # inference-mode weights have no version counter; they cannot change outside that mode
-        key = [cpukernel.Q4_1, *(w.data_ptr() for w in weights)]
+        key = [cpukernel.Q4_1, cpukernel.amx_on(), *(w.data_ptr() for w in weights)]
     kept = mod.__dict__.get("_stack_table")
     if kept is None or kept[0] != key:
         rows = []
