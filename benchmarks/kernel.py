@@ -215,35 +215,40 @@ def time_screen(rows_list: list[int], repeats: int) -> None:
 
 
 def time_q4(shapes: list[str], rows_list: list[int], repeats: int, total_mb: int = 400) -> None:
-    """Products of weights in GGUF Q4_1 form: read as their codes (`cpukernel.Q4_1`, the default) against their
-    float32 copies, on enough distinct weights of each shape to hold `total_mb` MB in float32 (more than this
-    machine's last-level cache reaches), interleaved; the outputs checked bit for bit."""
+    """Products of weights in GGUF Q4_1 form: their float32 copies, their codes on the FMA path (`cpukernel.Q4_1`;
+    the same bits checked) and their codes on AMX tiles where the CPU has them (`cpukernel.AMX`, the default; its
+    largest error against float64 printed beside the FMA path's), on enough distinct weights of each shape to hold
+    `total_mb` MB in float32 (more than this machine's last-level cache reaches), interleaved."""
     g = torch.Generator().manual_seed(0)
+    layouts = {"float32": (False, False), "codes, FMA": (True, False)}  # (Q4_1, AMX)
+    if cpukernel.amx_on():
+        layouts["codes, AMX"] = (True, True)
     print(f"threads {torch.get_num_threads()}; us per weight, median of {repeats}, {total_mb} MB of float32 weights")
     for shape in shapes:
         out_f, in_f = map(int, shape.split("x"))
         count = max(1, total_mb * 2 ** 20 // (4 * out_f * in_f))
         ws = [cpukernel.q4_1_weight(out_f, in_f, g) for _ in range(count)]
-        for q4 in (False, True):  # both layouts made before timing
-            cpukernel.Q4_1 = q4
+        for cpukernel.Q4_1, cpukernel.AMX in layouts.values():  # every layout made before timing
             for w in ws:
                 cpukernel.packed(w)
         for m in rows_list:
             x = torch.randn(m, in_f, generator=g)
-            outs, times = {}, {False: [], True: []}
-            for r in range(repeats):
-                for q4 in ((False, True) if r % 2 else (True, False)):
-                    cpukernel.Q4_1 = q4
+            outs, times = {}, {name: [] for name in layouts}
+            for _ in range(repeats):
+                for name in random.sample(list(layouts), len(layouts)):
+                    cpukernel.Q4_1, cpukernel.AMX = layouts[name]
                     t0 = time.perf_counter()
                     for w in ws:
                         y = cpukernel.rows_linear(x, w, None)
-                    times[q4].append((time.perf_counter() - t0) / len(ws) * 1e6)
-                    outs[q4] = y
-            assert torch.equal(outs[False], outs[True]), (shape, m)
-            f32, q4 = statistics.median(times[False]), statistics.median(times[True])
-            print(f"{shape} M {m:>3}: float32 {f32:7.1f}  Q4_1 codes {q4:7.1f}  ({f32 / q4:.2f}x), same bits",
-                  flush=True)
-    cpukernel.Q4_1 = True
+                    times[name].append((time.perf_counter() - t0) / len(ws) * 1e6)
+                    outs[name] = y
+            assert torch.equal(outs["float32"], outs["codes, FMA"]), (shape, m)
+            exact = x.double() @ ws[-1].double().T
+            err = {name: ((y.double() - exact).abs().max() / exact.abs().max()).item() for name, y in outs.items()}
+            med = {name: statistics.median(t) for name, t in times.items()}
+            cells = [f"{name} {t:7.1f} ({med['float32'] / t:.2f}x, error {err[name]:.1e})" for name, t in med.items()]
+            print(f"{shape} M {m:>3}: " + "  ".join(cells), flush=True)
+    cpukernel.Q4_1, cpukernel.AMX = True, True
 
 
 def main() -> None:
@@ -260,7 +265,8 @@ def main() -> None:
     ap.add_argument("--screen", action="store_true",
                     help="only time greedy tokens from SmolLM2's lm_head: the int8 screen against the whole lm_head")
     ap.add_argument("--q4", action="store_true",
-                    help="only time weights in GGUF Q4_1 form: read as codes against their float32 copies")
+                    help="only time weights in GGUF Q4_1 form: their codes (FMA path, AMX tiles) against their "
+                         "float32 copies")
     args = ap.parse_args()
     if args.q4:
         time_q4(args.shapes, args.rows, args.repeats)

@@ -9,12 +9,13 @@ Parts (every timing is a median over repeats, methods interleaved so machine noi
 2. the cost of one target pass over M new tokens after a KV cache of --context tokens, M = 1..32, on text the
    target wrote itself (a verification pass of a chain it agrees with): stock (linear layers and sdpa), the fast
    path (the measured layouts of eagle.fastlinear and eagle.attention's gqa_sdpa) with the whole float32 lm_head,
-   the fast path with greedy tokens through the int8 screen, and that with weights in GGUF Q4_1 form read as their
-   codes (the default; `cpukernel.Q4_1`); the ratio to M = 1 (what verifying M tokens costs);
+   the fast path with greedy tokens through the int8 screen, that with weights in GGUF Q4_1 form read as their
+   codes on the FMA path, and on AMX tiles where the CPU has them (the default; `cpukernel.Q4_1`, `cpukernel.AMX`);
+   the ratio to M = 1 (what verifying M tokens costs);
 3. thread scaling of the same pass at M = 1 and 8;
 4. the prompts: HF generate and HF prompt lookup (stock layers, as users run them), our greedy with stock layers,
-   with fast layers and the whole lm_head, with the float32 copies of Q4_1 weights, and as decoding runs by
-   default; our speculative decoding; identical outputs checked against HF greedy.
+   with fast layers and the whole lm_head, with the float32 copies of Q4_1 weights, with the codes on the FMA
+   path, and as decoding runs by default; our speculative decoding; identical outputs checked against HF greedy.
 The last line printed is a JSON object with `hf_generate_tps`, `engine_greedy_tps`, `spec_tps`,
 `verify_cost_ratio_k8`, `lossless` and the rest. Without --draft the speculative run is left out (`spec_tps` null):
 the engine's greedy against transformers' alone.
@@ -61,13 +62,14 @@ def real_text(dec: SpeculativeDecoder, data: str, length: int) -> list[int]:
 
 @torch.inference_mode()
 def pass_ms(dec: SpeculativeDecoder, text: list[int], context: int, rows_list: list[int], repeats: int,
-            fast: bool, screen: bool = True, q4: bool = True) -> dict[int, float]:
+            fast: bool, screen: bool = True, q4: bool = True, amx: bool = True) -> dict[int, float]:
     """Median ms of one target pass (features and the greedy token of every row) over `rows` new tokens of `text`
     after its first `context`, with the layouts decoding uses (fast; `screen`: greedy tokens through the int8
-    screen, else the whole float32 lm_head; `q4`: weights in GGUF Q4_1 form read as codes) or the stock layers: a
+    screen, else the whole float32 lm_head; `q4`: weights in GGUF Q4_1 form read as codes, `amx`: on AMX tiles
+    where the CPU has them) or the stock layers: a
     verification pass of a chain the target agrees with."""
     target = dec.target
-    cpukernel.Q4_1 = q4
+    cpukernel.Q4_1, cpukernel.AMX = q4, amx
     dec.use_fast_path(fast)
     cache = TargetCache()
     ctx = torch.tensor([text[:context]])
@@ -132,20 +134,23 @@ def main() -> None:
     bw = bandwidth_gb_s()
     rows = [1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32]
     text = real_text(dec, args.data, args.context + max(rows))
-    settings = {"stock": (False, False, False), "fast_whole_lm_head": (True, False, False),  # (fast, screen, q4)
-                "fast_float32": (True, True, False), "fast": (True, True, True)}
+    settings = {"stock": (False, False, False, False),  # (fast, screen, q4, amx)
+                "fast_whole_lm_head": (True, False, False, False), "fast_float32": (True, True, False, False),
+                "fast_fma_codes": (True, True, True, False), "fast": (True, True, True, True)}
     curves = {name: {r: [] for r in rows} for name in settings}
     for _ in range(3):  # interleave them so drift hits all alike
-        for name, (fast, screen, q4) in settings.items():
-            for r, ms in pass_ms(dec, text, args.context, rows, args.repeats, fast, screen, q4).items():
+        for name, (fast, screen, q4, amx) in settings.items():
+            for r, ms in pass_ms(dec, text, args.context, rows, args.repeats, fast, screen, q4, amx).items():
                 curves[name][r].append(ms)
     curve = {name: {r: statistics.median(v) for r, v in c.items()} for name, c in curves.items()}
-    print("| new tokens M | stock ms | fast, whole lm_head ms | fast, float32 weights ms | fast ms | "
-          "fast / fast(M=1) |")
-    print("|---|---|---|---|---|---|")
+    print("| new tokens M | stock ms | fast, whole lm_head ms | fast, float32 weights ms | fast, codes on FMAs ms | "
+          f"fast ms (AMX: {cpukernel.amx_on()}) | fast / fast(M=1) | codes on FMAs / (M=1) |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r} | {curve['stock'][r]:.1f} | {curve['fast_whole_lm_head'][r]:.1f} | "
-              f"{curve['fast_float32'][r]:.1f} | {curve['fast'][r]:.1f} | {curve['fast'][r] / curve['fast'][1]:.2f} |")
+              f"{curve['fast_float32'][r]:.1f} | {curve['fast_fma_codes'][r]:.1f} | {curve['fast'][r]:.1f} | "
+              f"{curve['fast'][r] / curve['fast'][1]:.2f} | "
+              f"{curve['fast_fma_codes'][r] / curve['fast_fma_codes'][1]:.2f} |")
 
     # 3. threads
     scaling = {}
@@ -159,7 +164,7 @@ def main() -> None:
     prompts = load_prompts(args.data, args.num_prompts, args.spread)
     n = args.max_new_tokens
     methods = ["hf_generate", "hf_prompt_lookup", "engine_greedy_stock", "engine_greedy_whole_lm_head",
-               "engine_greedy_float32", "engine_greedy"]
+               "engine_greedy_float32", "engine_greedy_fma_codes", "engine_greedy"]
     methods += ["spec"] if args.draft else []
     tokens, same = {m: 0 for m in methods}, {m: 0 for m in methods}
     seconds = {m: 0.0 for m in methods}
@@ -167,8 +172,8 @@ def main() -> None:
     emitted = passes = 0
     warm = dec.encode(prompts[0]["prompt"])
     hf_generate(target, warm, 8)
-    for q4 in (False, True):  # both layouts made before any timing
-        cpukernel.Q4_1 = q4
+    for q4, amx in ((False, False), (True, False), (True, True)):  # every layout made before any timing
+        cpukernel.Q4_1, cpukernel.AMX = q4, amx
         dec.generate(warm, 8, speculative=False)
     if args.draft:
         dec.generate(warm, 8, **spec_kw)
@@ -183,7 +188,10 @@ def main() -> None:
         runs["engine_greedy_whole_lm_head"] = (whole.token_ids, whole.total_s)
         f32 = dec.generate(ids, n, speculative=False)
         runs["engine_greedy_float32"] = (f32.token_ids, f32.total_s)
-        cpukernel.Q4_1 = True
+        cpukernel.Q4_1, cpukernel.AMX = True, False
+        fma = dec.generate(ids, n, speculative=False)
+        runs["engine_greedy_fma_codes"] = (fma.token_ids, fma.total_s)
+        cpukernel.AMX = True
         fast = dec.generate(ids, n, speculative=False)
         runs["engine_greedy"] = (fast.token_ids, fast.total_s)
         if args.draft:
@@ -213,6 +221,7 @@ def main() -> None:
         "speedup_vs_hf_generate": {m: tps[m] / tps["hf_generate"] for m in methods},
         "verify_cost_ratio_k8": curve["fast"][8] / curve["fast"][1],
         "verify_cost_ratio_k16": curve["fast"][16] / curve["fast"][1],
+        "amx": cpukernel.amx_on(),
         "verify_cost_ratio_k8_stock": curve["stock"][8] / curve["stock"][1],
         "pass_ms": curve, "threads_pass_ms": scaling,
         "spec_round_ms": {k: 1e3 * v / max(passes, 1) for k, v in round_s.items()},
