@@ -1,5 +1,7 @@
 """What drafting costs against a target step: ms per drafting round and per head step, with the head's attention
-on its C path (eagle.head: rotary embedding and grouped attention in C) and on torch's, interleaved.
+on its C path (eagle.head: rotary embedding and grouped attention in C) and its weights in bfloat16 on AMX tiles where
+the CPU has them (`cpukernel.bf16_drafts`, as decoding drafts), against float32 weights and against torch's attention,
+interleaved.
 
     .venv/bin/python benchmarks/draft_cost.py --draft runs/demo/head --k 3 --dynamic 2,3,4 4,3,8 [--cold]
 
@@ -18,8 +20,8 @@ import time
 
 import torch
 
+from eagle import cpukernel, load_target
 from eagle import head as head_module
-from eagle import load_target
 from infer import SpeculativeDecoder
 from infer.decoder import DecodeConfig
 from infer.proposer import EagleProposer
@@ -69,7 +71,9 @@ def main() -> None:
             head.logits(head(feats[:, -1:], ids[:, -1:], pos, cache=proposer.cache)[0])
 
     stock_fits = head_module._kernel_fits
-    paths = {"attention in C": stock_fits, "torch": lambda x, head_dim: False}
+    # (the head's attention in C, its weights in bfloat16 on AMX tiles: `cpukernel.bf16_drafts`, where it can)
+    paths = {"attention in C": (stock_fits, True), "float32 weights": (stock_fits, False),
+             "torch attention": (lambda x, head_dim: False, True)}
     jobs = {name: (lambda cfg=cfg: one_round(cfg)) for name, cfg in settings.items()}
     jobs["one head step"] = head_step
     times: dict[tuple[str, str], list[float]] = {(p, j): [] for p in paths for j in jobs}
@@ -77,7 +81,7 @@ def main() -> None:
     target_ms: list[float] = []
     for rnd in range(args.rounds):
         for path in (list(paths) if rnd % 2 == 0 else list(paths)[::-1]):
-            head_module._kernel_fits = paths[path]
+            head_module._kernel_fits, cpukernel.BF16_DRAFTS = paths[path]
             for name, fn in jobs.items():
                 fn()  # warm-up
                 for _ in range(args.repeats):
@@ -86,11 +90,12 @@ def main() -> None:
                     t0 = time.perf_counter()
                     fn()
                     times[(path, name)].append((time.perf_counter() - t0) * 1e3)
-        head_module._kernel_fits = stock_fits
+        head_module._kernel_fits, cpukernel.BF16_DRAFTS = stock_fits, True
         target_ms.append(pass_ms(dec, text, args.context, [1], args.repeats, fast=True)[1])
     step = statistics.median(target_ms)
     print(f"threads {torch.get_num_threads()}, context {args.context}; median ms over {args.rounds} x {args.repeats}"
-          + ("; caches flushed before each call" if args.cold else ""))
+          + ("; caches flushed before each call" if args.cold else "")
+          + f"; bfloat16 head weights on AMX tiles: {cpukernel.amx_on()}")
     print("| drafting | " + " | ".join(paths) + " |")
     print("|---" * (len(paths) + 1) + "|")
     for name in jobs:

@@ -233,7 +233,8 @@ static inline const unsigned char *q4_block(const float *P, int64_t b, int64_t i
 #else
 #define AMX_OK 0
 #endif
-static inline int is_amx(const float *P) { return ((uintptr_t)P & 3) == 2; }
+static inline int is_bf16(const float *P) { return ((uintptr_t)P & 3) == 3; }
+static inline int on_tiles(const float *P) { return ((uintptr_t)P & 3) >= 2; }
 static inline int is_float(const float *P) { return ((uintptr_t)P & 3) == 0; }
 static inline const unsigned char *amx_at(const float *P) {
     return (const unsigned char *)((uintptr_t)P & ~(uintptr_t)3);
@@ -241,7 +242,7 @@ static inline const unsigned char *amx_at(const float *P) {
 #if AMX_OK
 typedef struct { uint16_t *XS; float *S, *acc; int64_t M, Mp, in_f; int R; } amx_rows;
 static amx_rows amx_prepare(const float *X, int64_t M, int64_t in_f);
-static void amx_block(const unsigned char *Q, const amx_rows *a, float *acc, const unsigned char *ahead);
+static void tile_block(const float *P, int64_t b, const amx_rows *a, float *acc, int next);
 static void amx_linear(const float *P, const float *X, const float *B, float *Y, int64_t lo, int64_t hi,
                        int64_t out_f, int64_t in_f, int64_t M);
 static void amx_gated(const float *G, const float *U, const float *X, float *Y, int64_t out_f, int64_t in_f,
@@ -367,9 +368,9 @@ static void q4_many(const unsigned char *Q, const float *X, int64_t in_f, int64_
 static inline void block_tile(const float *P, int64_t b, int next, const float *X, int64_t in_f, int R, float *acc,
                               int t, int T) {
 #if AMX_OK
-    if (is_amx(P)) {  /* a gate or up weight whose partner is not in the AMX layout */
+    if (on_tiles(P)) {  /* a gate or up weight whose partner is not on tiles */
         const amx_rows a = amx_prepare(X, R, in_f);
-        amx_block(amx_at(P) + b * (in_f / 32) * QG, &a, acc, 0);
+        tile_block(P, b, &a, acc, 0);
         return;
     }
 #endif
@@ -388,7 +389,7 @@ static void linear_blocks(const float *P, const float *X, const float *B, float 
                           int64_t lo, int64_t hi, int64_t out_f, int64_t in_f, int64_t M) {
     float acc[RMAX * NB];
 #if AMX_OK
-    if (is_amx(P)) {
+    if (on_tiles(P)) {
         amx_linear(P, X, B, Y, lo, hi, out_f, in_f, M);
         return;
     }
@@ -606,25 +607,69 @@ static void amx_block(const unsigned char *Q, const amx_rows *a, float *acc, con
     }
 }
 
+/* Weights kept in bfloat16 (an EAGLE head's, when drafting: `bf16_drafts`): for each group of 32 inputs of a block,
+   two 1 KB tiles (16 pairs of inputs x 16 outputs x 2), loaded as they are. The inputs keep their three exact parts,
+   and every group's products go into the same sums, so the only rounding beyond float32 sums is the weights'. The
+   address of such a weight is tagged with its two lowest bits set. */
+#define BG 2048  /* bytes per group of a block */
+static void bf16_block(const unsigned char *W, const amx_rows *a, float *acc, const unsigned char *ahead) {
+    float C[2][16 * 16] __attribute__((aligned(64)));
+    const int64_t ng = a->in_f / 32, row = a->in_f * 2;
+    amx_config(a->R);
+    for (int64_t r0 = 0; r0 < a->M; r0 += a->R) {
+        _tile_zero(0);
+        _tile_zero(1);
+        for (int64_t g = 0; g < ng; g++) {
+            if (ahead && r0 == 0)
+                for (int l = 0; l < BG / 64; l++) __builtin_prefetch(ahead + g * BG + 64 * l, 0, 2);
+            _tile_loadd(5, W + g * BG, 64);
+            _tile_loadd(6, W + g * BG + 1024, 64);
+            _tile_loadd(2, a->XS + r0 * a->in_f + g * 32, row);
+            _tile_loadd(3, a->XS + (a->Mp + r0) * a->in_f + g * 32, row);
+            _tile_loadd(4, a->XS + (2 * a->Mp + r0) * a->in_f + g * 32, row);
+            _tile_dpbf16ps(0, 2, 5); _tile_dpbf16ps(1, 2, 6);
+            _tile_dpbf16ps(0, 3, 5); _tile_dpbf16ps(1, 3, 6);
+            _tile_dpbf16ps(0, 4, 5); _tile_dpbf16ps(1, 4, 6);
+        }
+        _tile_stored(0, C[0], 64);
+        _tile_stored(1, C[1], 64);
+        const int64_t n = a->M - r0 < a->R ? a->M - r0 : a->R;
+        for (int64_t r = 0; r < n; r++) {
+            memcpy(acc + (r0 + r) * NB, C[0] + 16 * r, 16 * sizeof(float));
+            memcpy(acc + (r0 + r) * NB + 16, C[1] + 16 * r, 16 * sizeof(float));
+        }
+    }
+}
+
+/* acc [M][NB]: the rows of a against block b of a weight on tiles (Q4_1 codes or bfloat16); `next`: prefetch
+   block b + 1 */
+static void tile_block(const float *P, int64_t b, const amx_rows *a, float *acc, int next) {
+    const int64_t size = (a->in_f / 32) * (is_bf16(P) ? BG : QG);
+    const unsigned char *W = amx_at(P) + b * size;
+    if (is_bf16(P))
+        bf16_block(W, a, acc, next ? W + size : 0);
+    else
+        amx_block(W, a, acc, next ? W + size : 0);
+}
+
 #define AMX_PASS 256  /* input rows per pass of amx_linear */
-/* linear_blocks for a weight in the AMX layout */
+/* linear_blocks for a weight on tiles */
 static void amx_linear(const float *P, const float *X, const float *B, float *Y, int64_t lo, int64_t hi,
                        int64_t out_f, int64_t in_f, int64_t M) {
     for (int64_t c = 0; c < M; c += AMX_PASS) {
         const int64_t rows = M - c < AMX_PASS ? M - c : AMX_PASS;
         const amx_rows a = amx_prepare(X + c * in_f, rows, in_f);
         for (int64_t b = lo; b < hi; b++) {
-            const unsigned char *Q = amx_at(P) + b * (in_f / 32) * QG;
-            amx_block(Q, &a, a.acc, b + 1 < hi ? Q + (in_f / 32) * QG : 0);
+            tile_block(P, b, &a, a.acc, b + 1 < hi);
             store_block(Y, a.acc, B, b, out_f, c, (int)rows);
         }
     }
 }
 
-/* gated_chunk for gate and up weights in the AMX layout */
+/* gated_chunk for gate and up weights on tiles */
 static void amx_gated(const float *G, const float *U, const float *X, float *Y, int64_t out_f, int64_t in_f,
                       int64_t M, int nthreads) {
-    const int64_t nblk = (out_f + NB - 1) / NB, ng = in_f / 32;
+    const int64_t nblk = (out_f + NB - 1) / NB;
     #pragma omp parallel num_threads(nthreads)
     {
         int64_t lo, hi;
@@ -634,9 +679,8 @@ static void amx_gated(const float *G, const float *U, const float *X, float *Y, 
             const amx_rows a = amx_prepare(X + c * in_f, rows, in_f);
             float *g = a.acc, *u = a.acc + a.Mp * NB;
             for (int64_t b = lo; b < hi; b++) {
-                const int next = b + 1 < hi;
-                amx_block(amx_at(G) + b * ng * QG, &a, g, next ? amx_at(G) + (b + 1) * ng * QG : 0);
-                amx_block(amx_at(U) + b * ng * QG, &a, u, next ? amx_at(U) + (b + 1) * ng * QG : 0);
+                tile_block(G, b, &a, g, b + 1 < hi);
+                tile_block(U, b, &a, u, b + 1 < hi);
                 store_gated(Y, g, u, out_f, b * NB, out_f - b * NB < NB ? out_f - b * NB : NB, c, rows);
             }
         }
@@ -649,7 +693,7 @@ int amx_enable(void) { return 0; }
 static void gated_chunk(const float *G, const float *U, const float *X, float *Y, int64_t out_f, int64_t in_f,
                         int64_t M, int nthreads) {
 #if AMX_OK
-    if (is_amx(G) && is_amx(U)) {
+    if (on_tiles(G) && on_tiles(U)) {
         amx_gated(G, U, X, Y, out_f, in_f, M, nthreads);
         return;
     }
@@ -1444,6 +1488,8 @@ Q4_1 = not os.environ.get("EAGLE_NO_Q4")
 # multiply those codes on AMX tiles where the CPU and the kernel have them (float32 accuracy, other bits than the
 # float32 path's); EAGLE_NO_AMX=1 keeps the FMA path, which gives the float32 weights' bits
 AMX = not os.environ.get("EAGLE_NO_AMX")
+# multiply the weights `bf16_drafts` marks (an EAGLE head's, while drafting) in bfloat16 on AMX tiles
+BF16_DRAFTS = True
 
 
 def pack(weight: torch.Tensor, pairs: bool = False) -> torch.Tensor:
@@ -1539,6 +1585,40 @@ def pack_q4(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, amx: bool = False
     return torch.cat([dm.view(torch.uint8).reshape(nb, ng, 256), codes.reshape(nb, ng, 512)], dim=-1).contiguous()
 
 
+def pack_bf16(weight: torch.Tensor) -> torch.Tensor:
+    """The tiles' bfloat16 layout of a weight [out, in] (`bf16_block` in the C source): [ceil(out / PACK), in / 32,
+    2, 16, 16, 2] bfloat16, for each block of 32 outputs and group of 32 inputs two tiles (outputs 0-15 and 16-31),
+    row t holding inputs 2 t and 2 t + 1 of each output side by side; padding outputs are zero."""
+    w = weight.detach().to(torch.bfloat16)
+    out_f, in_f = w.shape
+    if out_f % PACK:
+        w = torch.cat([w, w.new_zeros(-out_f % PACK, in_f)])
+    nb, ng = w.shape[0] // PACK, in_f // 32
+    return w.reshape(nb, 2, 16, ng, 16, 2).permute(0, 3, 1, 4, 2, 5).contiguous()
+
+
+def bf16_drafts(weights, on: bool = True) -> None:
+    """Mark (or unmark) `weights` to be multiplied in bfloat16 on AMX tiles where `packed` can (`amx_on`,
+    `BF16_DRAFTS`) and no gradient is being recorded: an EAGLE head's while it drafts. A draft only has to be
+    likely, not exact (the target checks every token), and this halves the bytes a head step reads."""
+    for w in weights:
+        if on:
+            w.__dict__["_eagle_bf16"] = True
+        else:
+            w.__dict__.pop("_eagle_bf16", None)
+
+
+def in_bf16(weight: torch.Tensor) -> bool:
+    """Whether `packed` gives `weight` in bfloat16 on AMX tiles now (`bf16_drafts`)."""
+    return (BF16_DRAFTS and "_eagle_bf16" in weight.__dict__ and not torch.is_grad_enabled() and supports(weight)
+            and amx_on())
+
+
+def _pack_bf16(weight: torch.Tensor) -> tuple[torch.Tensor, int]:
+    layout = pack_bf16(weight)
+    return layout, layout.data_ptr() | 3
+
+
 def _pack_any(weight: torch.Tensor) -> tuple[torch.Tensor, int]:
     """(the kept layout, the address the kernels take): Q4_1 codes where the weight has that form and the kernel
     decodes it (the address tagged 2 for AMX tiles, else 1), else `pack`'s float32 layout."""
@@ -1576,6 +1656,8 @@ def packed(weight: torch.Tensor) -> int:
     weight; on the FMA path decoded to the same float32 values, so every product keeps its bits; on AMX tiles
     (`amx_on`) summed in another order with float32 accuracy), else `pack`'s float32 copy (twice the weight's memory).
     Each setting of `Q4_1` and `AMX` keeps its own copy, so a benchmark can switch between them."""
+    if in_bf16(weight):
+        return _kept(weight, "_eagle_packed_bf16", _pack_bf16)[1]
     name = ("_eagle_packed_amx" if amx_on() else "_eagle_packed_q4") if Q4_1 else "_eagle_packed"
     return _kept(weight, name, _pack_any, Q4_1, amx_on())[1]
 
@@ -1585,6 +1667,7 @@ def unpack(weight: torch.Tensor) -> None:
     weight.__dict__.pop("_eagle_packed", None)
     weight.__dict__.pop("_eagle_packed_q4", None)
     weight.__dict__.pop("_eagle_packed_amx", None)
+    weight.__dict__.pop("_eagle_packed_bf16", None)
     weight.__dict__.pop("_eagle_screen", None)
 
 

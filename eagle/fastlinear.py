@@ -279,7 +279,10 @@ def _fast_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, w, self.bias)
     if _wants_grad(x, w):
         return _grad_linear(self, x, w, self.bias)
-    return _apply(x, w, self.bias, self._fast_by_rows[_row_index(x)])  # layouts checked to fit when patched
+    layout = self._fast_by_rows[_row_index(x)]  # layouts checked to fit when patched
+    if layout != "kernel" and cpukernel.in_bf16(w):  # the plan measured float32; in bfloat16 tiles read half
+        layout = "kernel"
+    return _apply(x, w, self.bias, layout)
 
 
 def train_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -44,29 +44,6 @@ def test_q4_products_give_the_float32_products_bits(monkeypatch):
         assert all(torch.equal(a, c) for a, c in zip(q4, f32))
 
 
-@pytest.mark.skipif(not cpukernel.amx_on(), reason="no AMX tiles here (CPU, compiler or OS)")
-def test_amx_products_keep_each_rows_bits_with_float32_accuracy():
-    # on AMX tiles the sums run in another order than the float32 path's, so other bits; but every row gets the
-    # same bits whatever the row count and its place among the rows, and the error stays that of float32 sums
-    g = torch.Generator().manual_seed(3)
-    w, b = cpukernel.q4_1_weight(100, 96, g), torch.randn(100, generator=g)
-    gate, up, plain_up = cpukernel.q4_1_weight(96, 64, g), cpukernel.q4_1_weight(96, 64, g), torch.randn(96, 64)
-    assert cpukernel.packed(w) & 3 == 2 and cpukernel.packed(plain_up) & 3 == 0
-    x, xg = torch.randn(300, 96, generator=g), torch.randn(300, 64, generator=g)
-    exact = x.double() @ w.double().T + b.double()
-    silu = torch.nn.functional.silu
-    exact_g = silu(xg.double() @ gate.double().T) * (xg.double() @ up.double().T)
-    exact_mixed = silu(xg.double() @ gate.double().T) * (xg.double() @ plain_up.double().T)
-    whole = [cpukernel.rows_linear(x, w, b), cpukernel.rows_gated(xg, gate, up),
-             cpukernel.rows_gated(xg, gate, plain_up)]  # the last: a gate on tiles, an up in float32
-    for got, want in zip(whole, (exact, exact_g, exact_mixed)):
-        assert ((got.double() - want).abs().max() / want.abs().max()).item() < 2e-6
-    for lo, hi in ((0, 1), (7, 8), (0, 3), (5, 21), (16, 33), (40, 297)):  # 1-16 rows a tile, several tiles
-        part = [cpukernel.rows_linear(x[lo:hi], w, b), cpukernel.rows_gated(xg[lo:hi], gate, up),
-                cpukernel.rows_gated(xg[lo:hi], gate, plain_up)]
-        assert all(torch.equal(a, c[lo:hi]) for a, c in zip(part, whole))
-
-
 def test_decoding_a_q4_1_target_is_the_same_with_and_without_the_codes(monkeypatch):
     target = tiny_target(hidden=64, dtype=torch.float32)
     g = torch.Generator().manual_seed(2)

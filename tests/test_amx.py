@@ -1,0 +1,75 @@
+"""Products on AMX tiles (eagle.cpukernel, where the CPU, the compiler and the OS allow them): Q4_1 codes with
+float32 accuracy, and an EAGLE head's weights in bfloat16 while it drafts. Each row keeps its bits at every row
+count, so verification passes stay lossless."""
+
+import pytest
+import torch
+
+from eagle import cpukernel
+from infer import SpeculativeDecoder
+from tests.tiny import tiny_head, tiny_target
+
+pytestmark = pytest.mark.skipif(not (cpukernel.available() and cpukernel.amx_on()),
+                                reason="no AMX tiles here (CPU, compiler or OS)")
+
+
+def test_amx_products_keep_each_rows_bits_with_float32_accuracy():
+    # on AMX tiles the sums run in another order than the float32 path's, so other bits; but every row gets the
+    # same bits whatever the row count and its place among the rows, and the error stays that of float32 sums
+    g = torch.Generator().manual_seed(3)
+    w, b = cpukernel.q4_1_weight(100, 96, g), torch.randn(100, generator=g)
+    gate, up, plain_up = cpukernel.q4_1_weight(96, 64, g), cpukernel.q4_1_weight(96, 64, g), torch.randn(96, 64)
+    assert cpukernel.packed(w) & 3 == 2 and cpukernel.packed(plain_up) & 3 == 0
+    x, xg = torch.randn(300, 96, generator=g), torch.randn(300, 64, generator=g)
+    exact = x.double() @ w.double().T + b.double()
+    silu = torch.nn.functional.silu
+    exact_g = silu(xg.double() @ gate.double().T) * (xg.double() @ up.double().T)
+    exact_mixed = silu(xg.double() @ gate.double().T) * (xg.double() @ plain_up.double().T)
+    whole = [cpukernel.rows_linear(x, w, b), cpukernel.rows_gated(xg, gate, up),
+             cpukernel.rows_gated(xg, gate, plain_up)]  # the last: a gate on tiles, an up in float32
+    for got, want in zip(whole, (exact, exact_g, exact_mixed)):
+        assert ((got.double() - want).abs().max() / want.abs().max()).item() < 2e-6
+    for lo, hi in ((0, 1), (7, 8), (0, 3), (5, 21), (16, 33), (40, 297)):  # 1-16 rows a tile, several tiles
+        part = [cpukernel.rows_linear(x[lo:hi], w, b), cpukernel.rows_gated(xg[lo:hi], gate, up),
+                cpukernel.rows_gated(xg[lo:hi], gate, plain_up)]
+        assert all(torch.equal(a, c[lo:hi]) for a, c in zip(part, whole))
+
+
+def test_bf16_products_keep_each_rows_bits_and_need_the_mark_and_no_gradients():
+    g = torch.Generator().manual_seed(4)
+    w, b = torch.randn(100, 96, generator=g) * 0.05, torch.randn(100, generator=g)
+    gate, up = torch.randn(96, 64, generator=g) * 0.1, torch.randn(96, 64, generator=g) * 0.1
+    x, xg = torch.randn(300, 96, generator=g), torch.randn(300, 64, generator=g)
+    assert cpukernel.packed(w) & 3 == 0  # not marked: float32
+    cpukernel.bf16_drafts([w, gate, up])
+    assert cpukernel.packed(w) & 3 == 0  # marked, but gradients are being recorded: float32
+    wb, gb, ub = (t.to(torch.bfloat16).double() for t in (w, gate, up))  # the only rounding: the weights'
+    exact = x.double() @ wb.T + b.double()
+    exact_g = torch.nn.functional.silu(xg.double() @ gb.T) * (xg.double() @ ub.T)
+    with torch.no_grad():
+        assert cpukernel.packed(w) & 3 == 3
+        whole = [cpukernel.rows_linear(x, w, b), cpukernel.rows_gated(xg, gate, up)]
+        for got, want in zip(whole, (exact, exact_g)):
+            assert ((got.double() - want).abs().max() / want.abs().max()).item() < 2e-6
+        for lo, hi in ((0, 1), (7, 8), (5, 21), (40, 297)):
+            part = [cpukernel.rows_linear(x[lo:hi], w, b), cpukernel.rows_gated(xg[lo:hi], gate, up)]
+            assert all(torch.equal(a, c[lo:hi]) for a, c in zip(part, whole))
+        cpukernel.bf16_drafts([w], on=False)
+        assert cpukernel.packed(w) & 3 == 0
+
+
+def test_a_heads_own_weights_draft_in_bf16_and_decoding_stays_lossless():
+    target = tiny_target(hidden=64, dtype=torch.float32)
+    head = tiny_head(target)
+    dec = SpeculativeDecoder(target, head)
+    prompt = [5, 9, 14, 22, 7]
+    greedy = dec.generate(prompt, max_new_tokens=24, speculative=False).token_ids
+    assert dec.generate(prompt, max_new_tokens=24, num_speculative_tokens=3).token_ids == greedy
+    own = [m.weight for m in head.modules() if isinstance(m, torch.nn.Linear) and m.weight is not target.lm_head.weight]
+    assert own and not any(cpukernel.in_bf16(w) for w in own)  # gradients are recorded out here
+    with torch.no_grad():
+        assert all(cpukernel.in_bf16(w) for w in own)
+        assert not any(cpukernel.in_bf16(p) for p in target.model.parameters())
+    dec.use_fast_path(False)
+    with torch.no_grad():
+        assert not any(cpukernel.in_bf16(w) for w in own)
