@@ -566,11 +566,22 @@ static amx_rows amx_prepare(const float *X, int64_t M, int64_t in_f) {
     return a;
 }
 
+/* tiles 0 and 1 += the three parts of rows r0 .. r0 + R - 1 of a, inputs of group g, times tiles 5 and 6 */
+static inline void tile_parts(const amx_rows *a, int64_t r0, int64_t g) {
+    const int64_t row = a->in_f * 2;
+    _tile_loadd(2, a->XS + r0 * a->in_f + g * 32, row);
+    _tile_loadd(3, a->XS + (a->Mp + r0) * a->in_f + g * 32, row);
+    _tile_loadd(4, a->XS + (2 * a->Mp + r0) * a->in_f + g * 32, row);
+    _tile_dpbf16ps(0, 2, 5); _tile_dpbf16ps(1, 2, 6);
+    _tile_dpbf16ps(0, 3, 5); _tile_dpbf16ps(1, 3, 6);
+    _tile_dpbf16ps(0, 4, 5); _tile_dpbf16ps(1, 4, 6);
+}
+
 /* acc [M][NB]: the rows of a against block Q (the next block, ahead, prefetched if any) */
 static void amx_block(const unsigned char *Q, const amx_rows *a, float *acc, const unsigned char *ahead) {
     uint16_t T[2 * 512] __attribute__((aligned(64)));
     float C[2][16 * 16] __attribute__((aligned(64)));
-    const int64_t ng = a->in_f / 32, row = a->in_f * 2;
+    const int64_t ng = a->in_f / 32;
     amx_config(a->R);
     memset(acc, 0, sizeof(float) * a->M * NB);
     for (int64_t g = 0; g < ng; g++) {
@@ -586,12 +597,7 @@ static void amx_block(const unsigned char *Q, const amx_rows *a, float *acc, con
         for (int64_t r0 = 0; r0 < a->M; r0 += a->R) {
             _tile_zero(0);
             _tile_zero(1);
-            _tile_loadd(2, a->XS + r0 * a->in_f + g * 32, row);
-            _tile_loadd(3, a->XS + (a->Mp + r0) * a->in_f + g * 32, row);
-            _tile_loadd(4, a->XS + (2 * a->Mp + r0) * a->in_f + g * 32, row);
-            _tile_dpbf16ps(0, 2, 5); _tile_dpbf16ps(1, 2, 6);
-            _tile_dpbf16ps(0, 3, 5); _tile_dpbf16ps(1, 3, 6);
-            _tile_dpbf16ps(0, 4, 5); _tile_dpbf16ps(1, 4, 6);
+            tile_parts(a, r0, g);
             _tile_stored(0, C[0], 64);
             _tile_stored(1, C[1], 64);
             const int64_t n = a->M - r0 < a->R ? a->M - r0 : a->R;
@@ -614,7 +620,7 @@ static void amx_block(const unsigned char *Q, const amx_rows *a, float *acc, con
 #define BG 2048  /* bytes per group of a block */
 static void bf16_block(const unsigned char *W, const amx_rows *a, float *acc, const unsigned char *ahead) {
     float C[2][16 * 16] __attribute__((aligned(64)));
-    const int64_t ng = a->in_f / 32, row = a->in_f * 2;
+    const int64_t ng = a->in_f / 32;
     amx_config(a->R);
     for (int64_t r0 = 0; r0 < a->M; r0 += a->R) {
         _tile_zero(0);
@@ -624,12 +630,7 @@ static void bf16_block(const unsigned char *W, const amx_rows *a, float *acc, co
                 for (int l = 0; l < BG / 64; l++) __builtin_prefetch(ahead + g * BG + 64 * l, 0, 2);
             _tile_loadd(5, W + g * BG, 64);
             _tile_loadd(6, W + g * BG + 1024, 64);
-            _tile_loadd(2, a->XS + r0 * a->in_f + g * 32, row);
-            _tile_loadd(3, a->XS + (a->Mp + r0) * a->in_f + g * 32, row);
-            _tile_loadd(4, a->XS + (2 * a->Mp + r0) * a->in_f + g * 32, row);
-            _tile_dpbf16ps(0, 2, 5); _tile_dpbf16ps(1, 2, 6);
-            _tile_dpbf16ps(0, 3, 5); _tile_dpbf16ps(1, 3, 6);
-            _tile_dpbf16ps(0, 4, 5); _tile_dpbf16ps(1, 4, 6);
+            tile_parts(a, r0, g);
         }
         _tile_stored(0, C[0], 64);
         _tile_stored(1, C[1], 64);
