@@ -227,7 +227,8 @@ static inline const unsigned char *q4_block(const float *P, int64_t b, int64_t i
    of x), in float32, group after group. Every row is computed alone, in the same order, whatever the row count, so
    a row gets the same bits alone or in a verification pass. (These are not the float32 path's bits: the sums run
    in another order. Measured: closer to float64 than the float32 path.) The weight layout is QG bytes per group as
-   above, the code bytes ordered for `amx_decode`; its address is tagged with its two lowest bits set. */
+   above, the code bytes ordered for `amx_decode`; its address is tagged 2 (the second-lowest bit set; 1 tags the
+   FMA path's Q4_1 layout, 3 the bfloat16 one below, 0 float32). */
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BW__)
 #define AMX_OK 1
 #else
