@@ -1599,7 +1599,7 @@ def pack_bf16(weight: torch.Tensor) -> torch.Tensor:
     return w.reshape(nb, 2, 16, ng, 16, 2).permute(0, 3, 1, 4, 2, 5).contiguous()
 
 
-def bf16_drafts(weights, on: bool = True) -> None:
+def bf16_drafts(weights: list[torch.Tensor], on: bool = True) -> None:
     """Mark (or unmark) `weights` to be multiplied in bfloat16 on AMX tiles where `packed` can (`amx_on`,
     `BF16_DRAFTS`) and no gradient is being recorded: an EAGLE head's while it drafts. A draft only has to be
     likely, not exact (the target checks every token), and this halves the bytes a head step reads."""
@@ -1657,7 +1657,8 @@ def packed(weight: torch.Tensor) -> int:
     changes in place (an optimizer step) or moves: Q4_1 codes for a weight dequantized from GGUF Q4_1 (0.75 bytes a
     weight; on the FMA path decoded to the same float32 values, so every product keeps its bits; on AMX tiles
     (`amx_on`) summed in another order with float32 accuracy), else `pack`'s float32 copy (twice the weight's memory).
-    Each setting of `Q4_1` and `AMX` keeps its own copy, so a benchmark can switch between them."""
+    Each setting of `Q4_1` and `AMX` keeps its own copy, so a benchmark can switch between them. A weight
+    `bf16_drafts` marked is read in bfloat16 instead where `in_bf16` says so."""
     if in_bf16(weight):
         return _kept(weight, "_eagle_packed_bf16", _pack_bf16)[1]
     name = ("_eagle_packed_amx" if amx_on() else "_eagle_packed_q4") if Q4_1 else "_eagle_packed"
