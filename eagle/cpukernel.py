@@ -212,12 +212,18 @@ static inline void store_block(float *Y, const float *acc, const float *B, int64
    tagged with its lowest bit set. */
 #define QG (256 + 32 * 16)
 static inline int is_q4(const float *P) { return ((uintptr_t)P & 3) == 1; }
-static inline const unsigned char *q4_at(const float *P) {
-    return (const unsigned char *)((uintptr_t)P & ~(uintptr_t)1);
+/* the bytes of a weight at tagged address P (any layout but float32's, whose tag is 0) */
+static inline const unsigned char *untag(const float *P) {
+    return (const unsigned char *)((uintptr_t)P & ~(uintptr_t)3);
 }
 /* block b of the Q4_1 weight at tagged address P */
 static inline const unsigned char *q4_block(const float *P, int64_t b, int64_t in_f) {
-    return q4_at(P) + b * (in_f / 32) * QG;
+    return untag(P) + b * (in_f / 32) * QG;
+}
+/* group g (of `bytes` bytes) of the block at `ahead` into L2, if there is one */
+static inline void prefetch_group(const unsigned char *ahead, int64_t g, int bytes) {
+    if (ahead)
+        for (int l = 0; l < bytes / 64; l++) __builtin_prefetch(ahead + g * bytes + 64 * l, 0, 2);
 }
 
 /* Q4_1 weights through AMX (Sapphire Rapids and later): bfloat16 tile products with float32 accuracy. The codes q
@@ -237,9 +243,6 @@ static inline const unsigned char *q4_block(const float *P, int64_t b, int64_t i
 static inline int is_bf16(const float *P) { return ((uintptr_t)P & 3) == 3; }
 static inline int on_tiles(const float *P) { return ((uintptr_t)P & 3) >= 2; }
 static inline int is_float(const float *P) { return ((uintptr_t)P & 3) == 0; }
-static inline const unsigned char *amx_at(const float *P) {
-    return (const unsigned char *)((uintptr_t)P & ~(uintptr_t)3);
-}
 #if AMX_OK
 typedef struct { uint16_t *XS; float *S, *acc; int64_t M, Mp, in_f; int R; } amx_rows;
 static amx_rows amx_prepare(const float *X, int64_t M, int64_t in_f);
@@ -278,8 +281,7 @@ int q4_supported(void) { return Q4_OK; }
 static inline const unsigned char *q4_group(const unsigned char *Q, int64_t g, const unsigned char *ahead, vw *d,
                                             vw *m) {
     const unsigned char *G = Q + g * QG;
-    if (ahead)
-        for (int l = 0; l < QG / 64; l++) __builtin_prefetch(ahead + g * QG + 64 * l, 0, 2);
+    prefetch_group(ahead, g, QG);
     for (int j = 0; j < NV; j++) {
         d[j] = loadw((const float *)G + j * (NB / NV));
         m[j] = loadw((const float *)G + NB + j * (NB / NV));
@@ -587,8 +589,7 @@ static void amx_block(const unsigned char *Q, const amx_rows *a, float *acc, con
     memset(acc, 0, sizeof(float) * a->M * NB);
     for (int64_t g = 0; g < ng; g++) {
         const unsigned char *G = Q + g * QG;
-        if (ahead)
-            for (int l = 0; l < QG / 64; l++) __builtin_prefetch(ahead + g * QG + 64 * l, 0, 2);
+        prefetch_group(ahead, g, QG);
         amx_decode(G + 256, T);
         _tile_loadd(5, T, 64);
         _tile_loadd(6, T + 512, 64);
@@ -627,8 +628,7 @@ static void bf16_block(const unsigned char *W, const amx_rows *a, float *acc, co
         _tile_zero(0);
         _tile_zero(1);
         for (int64_t g = 0; g < ng; g++) {
-            if (ahead && r0 == 0)
-                for (int l = 0; l < BG / 64; l++) __builtin_prefetch(ahead + g * BG + 64 * l, 0, 2);
+            prefetch_group(r0 == 0 ? ahead : 0, g, BG);
             _tile_loadd(5, W + g * BG, 64);
             _tile_loadd(6, W + g * BG + 1024, 64);
             tile_parts(a, r0, g);
@@ -647,7 +647,7 @@ static void bf16_block(const unsigned char *W, const amx_rows *a, float *acc, co
    block b + 1 */
 static void tile_block(const float *P, int64_t b, const amx_rows *a, float *acc, int next) {
     const int64_t size = (a->in_f / 32) * (is_bf16(P) ? BG : QG);
-    const unsigned char *W = amx_at(P) + b * size;
+    const unsigned char *W = untag(P) + b * size;
     if (is_bf16(P))
         bf16_block(W, a, acc, next ? W + size : 0);
     else
@@ -1661,8 +1661,9 @@ def packed(weight: torch.Tensor) -> int:
     `bf16_drafts` marked is read in bfloat16 instead where `in_bf16` says so."""
     if in_bf16(weight):
         return _kept(weight, "_eagle_packed_bf16", _pack_bf16)[1]
-    name = ("_eagle_packed_amx" if amx_on() else "_eagle_packed_q4") if Q4_1 else "_eagle_packed"
-    return _kept(weight, name, _pack_any, Q4_1, amx_on())[1]
+    amx = amx_on()
+    name = ("_eagle_packed_amx" if amx else "_eagle_packed_q4") if Q4_1 else "_eagle_packed"
+    return _kept(weight, name, _pack_any, Q4_1, amx)[1]
 
 
 def unpack(weight: torch.Tensor) -> None:
