@@ -207,10 +207,10 @@ static inline void store_block(float *Y, const float *acc, const float *B, int64
 /* Weights that are GGUF Q4_1 blocks dequantized to float32 (w = fl(fl(d q) + m) for one fp16 d and m per 32
    consecutive inputs of an output, q in 0..15), read in that form: 0.75 bytes a weight instead of 4, decoded to the
    same float32 values, so every product keeps its bits. Layout of block b (outputs 32 b .. 32 b + 31), for each
-   group g of 32 inputs, QG bytes: d[32] and m[32] as float32, then for each input of the group 16 bytes, byte j
-   holding output j's q in its low four bits and output 16 + j's in its high four. The address of such a weight is
-   tagged with its lowest bit set. */
-#define QG (256 + 32 * 16)
+   group g of 32 inputs, QG bytes: d[32] and m[32] as float16 (as GGUF stores them: exact), then for each input of
+   the group 16 bytes, byte j holding output j's q in its low four bits and output 16 + j's in its high four. The
+   address of such a weight is tagged with its lowest bit set. */
+#define QG (128 + 32 * 16)
 static inline int is_q4(const float *P) { return ((uintptr_t)P & 3) == 1; }
 /* the bytes of a weight at tagged address P (any layout but float32's, whose tag is 0) */
 static inline const unsigned char *untag(const float *P) {
@@ -253,6 +253,10 @@ static void amx_gated(const float *G, const float *U, const float *X, float *Y, 
                       int64_t M, int nthreads);
 #endif
 #if defined(__AVX512F__)
+/* sizeof(vw) / 4 float16 values as floats (exactly) */
+static inline vw load_half(const unsigned char *p) {
+    return (vw)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+}
 static inline void q4_decode(const unsigned char *c, const vw *d, const vw *m, vw *w) {
     const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)c));
     vw p0 = (vw)_mm512_mul_ps((__m512)d[0], _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(15))));
@@ -261,7 +265,8 @@ static inline void q4_decode(const unsigned char *c, const vw *d, const vw *m, v
     w[1] = (vw)_mm512_add_ps((__m512)p1, (__m512)m[1]);
 }
 #define Q4_OK 1
-#elif defined(__AVX2__)
+#elif defined(__AVX2__) && defined(__F16C__)
+static inline vw load_half(const unsigned char *p) { return (vw)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
 static inline void q4_decode(const unsigned char *c, const vw *d, const vw *m, vw *w) {
     for (int h = 0; h < 2; h++) {
         const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(c + 8 * h)));
@@ -283,8 +288,8 @@ static inline const unsigned char *q4_group(const unsigned char *Q, int64_t g, c
     const unsigned char *G = Q + g * QG;
     prefetch_group(ahead, g, QG);
     for (int j = 0; j < NV; j++) {
-        d[j] = loadw((const float *)G + j * (NB / NV));
-        m[j] = loadw((const float *)G + NB + j * (NB / NV));
+        d[j] = load_half(G + 2 * j * (NB / NV));
+        m[j] = load_half(G + 2 * (NB + j * (NB / NV)));
     }
     return G;
 }
@@ -298,7 +303,7 @@ static inline __attribute__((always_inline)) void tile_q4(const unsigned char *Q
         const unsigned char *G = q4_group(Q, g, ahead, d, m);
         for (int k = 0; k < 32; k++) {
             vw w[NV];
-            q4_decode(G + 256 + 16 * k, d, m, w);
+            q4_decode(G + 128 + 16 * k, d, m, w);
             const int64_t i = g * 32 + k;
             for (int r = 0; r < R; r++) {
                 const vw x = splatw(X[r * in_f + i]);
@@ -355,7 +360,7 @@ static void q4_many(const unsigned char *Q, const float *X, int64_t in_f, int64_
         const unsigned char *G = q4_group(Q, g, ahead, d, m);
         for (int k = 0; k < 32; k++) {
             vw w[NV];
-            q4_decode(G + 256 + 16 * k, d, m, w);
+            q4_decode(G + 128 + 16 * k, d, m, w);
             memcpy(S + k * NB, w, sizeof w);
         }
         for (int64_t m0 = 0; m0 < M;) {
@@ -590,12 +595,13 @@ static void amx_block(const unsigned char *Q, const amx_rows *a, float *acc, con
     for (int64_t g = 0; g < ng; g++) {
         const unsigned char *G = Q + g * QG;
         prefetch_group(ahead, g, QG);
-        amx_decode(G + 256, T);
+        amx_decode(G + 128, T);
         _tile_loadd(5, T, 64);
         _tile_loadd(6, T + 512, 64);
-        const float *dm = (const float *)G;
-        const __m512 d0 = _mm512_loadu_ps(dm), d1 = _mm512_loadu_ps(dm + 16);
-        const __m512 m0 = _mm512_loadu_ps(dm + 32), m1 = _mm512_loadu_ps(dm + 48);
+        const __m512 d0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)G)),
+                     d1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(G + 32)));
+        const __m512 m0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(G + 64))),
+                     m1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(G + 96)));
         for (int64_t r0 = 0; r0 < a->M; r0 += a->R) {
             _tile_zero(0);
             _tile_zero(1);
@@ -1566,15 +1572,18 @@ def q4_1_weight(out_f: int, in_f: int, generator: torch.Generator) -> torch.Tens
 
 
 def pack_q4(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, amx: bool = False) -> torch.Tensor:
-    """The product kernels' Q4_1 layout (see the C source) of codes q [out, in] with d, m [out, in / 32]: [ceil(out
-    / PACK), in / 32, 768] bytes; padding outputs decode to zero. With `amx`, the code bytes are ordered for the
-    AMX tiles (`amx_decode` in the C source)."""
+    """The product kernels' Q4_1 layout (see the C source) of codes q [out, in] with d, m [out, in / 32] (float16
+    values, as in a GGUF Q4_1 tensor): [ceil(out / PACK), in / 32, 640] bytes, d and m kept as float16; padding
+    outputs decode to zero. With `amx`, the code bytes are ordered for the AMX tiles (`amx_decode` in the C
+    source)."""
     out_f, in_f = q.shape
     pad = -out_f % PACK
     if pad:
         q, d, m = (torch.cat([t, t.new_zeros(pad, t.shape[1])]) for t in (q, d, m))
     nb, ng = (out_f + pad) // PACK, in_f // 32
     dm = torch.stack([d, m]).reshape(2, nb, PACK, ng).permute(1, 3, 0, 2).contiguous()  # [nb, ng, 2, 32] floats
+    if not torch.equal(dm.half().float(), dm):
+        raise ValueError("pack_q4: d and m must hold float16 values (as a GGUF Q4_1 tensor's do)")
     if amx:  # word w of tile row t (half t // 16): output 16 (t // 16) + w // 2, input 2 (t % 16) + w % 2
         t, w = torch.arange(32).view(32, 1), torch.arange(32).view(1, 32)
         words = q.reshape(nb, PACK, ng, 32).permute(0, 2, 1, 3)[:, :, 16 * (t // 16) + w // 2, 2 * (t % 16) + w % 2]
@@ -1584,7 +1593,8 @@ def pack_q4(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, amx: bool = False
     else:
         q = q.reshape(nb, 2, PACK // 2, ng, 32).permute(0, 3, 4, 1, 2)  # [nb, ng, input, half, j]
         codes = q[..., 0, :] | (q[..., 1, :] << 4)  # byte j: output j's code low, output 16 + j's high
-    return torch.cat([dm.view(torch.uint8).reshape(nb, ng, 256), codes.reshape(nb, ng, 512)], dim=-1).contiguous()
+    dm = dm.half().view(torch.uint8).reshape(nb, ng, 128)
+    return torch.cat([dm, codes.reshape(nb, ng, 512)], dim=-1).contiguous()
 
 
 def pack_bf16(weight: torch.Tensor) -> torch.Tensor:
