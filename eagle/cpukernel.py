@@ -1233,6 +1233,95 @@ static const ptile_fn PTILES[13] = {0, ptile1, ptile2, ptile3, ptile4, ptile5, p
 /* whether screen_argmax reads Q packed by input pairs (AVX512-VNNI) or as `pack` packs */
 int screen_pairs(void) { return SCREEN_PAIRS; }
 
+/* With AMX-INT8 the same integer sums come from tiles, whatever the row count at about the one-row cost: xq = 256 hi
+   + lo (hi signed, lo unsigned bytes), sum_i q xq = 256 sum_i q hi + sum_i q lo, each sum exact in int32 (|hi| <=
+   64, and the whole fits as above), so acc holds the VNNI path's values bit for bit. Q (address tagged 2): for each
+   block of NB outputs and chunk of 64 inputs (inputs padded with zeros to in_p, a multiple of 64), two 1 KB tiles
+   (outputs 0-15 and 16-31), row t holding inputs 4 t .. 4 t + 3 of each output side by side. */
+#if AMX_OK && defined(__AMX_INT8__) && SCREEN_PAIRS
+#define SCREEN_TILES 1
+/* tiles 0-3: R rows of int32 sums (hi and lo parts times the two halves); 4, 5: the hi and lo bytes of R rows, 64
+   inputs; 6, 7: the two halves' int8 weights. The thread's loaded configuration is marked -R (amx_config's: R). */
+static void screen_config(int R) {
+    if (amx_rows_loaded == -R) return;
+    tile_config c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        c.rows[t] = t < 6 ? R : 16;
+        c.colsb[t] = 64;
+    }
+    _tile_loadconfig(&c);
+    amx_rows_loaded = -R;
+}
+/* acc[r * NB + j] = sum_i q[j, i] xq[r, i] for r < R <= 16: Q one block, XH / XL [R][in_p] the bytes of xq */
+static void screen_tile(const int8_t *Q, const int8_t *XH, const uint8_t *XL, int64_t in_p, int R, float *acc,
+                        const int8_t *ahead) {
+    int32_t S[4][16 * 16] __attribute__((aligned(64)));
+    screen_config(R);
+    for (int64_t c = 0; c < in_p / 64; c++) {
+        if (c == 0) { _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3); }
+        prefetch_group((const unsigned char *)ahead, c, 2048);
+        _tile_loadd(6, Q + c * 2048, 64);
+        _tile_loadd(7, Q + c * 2048 + 1024, 64);
+        _tile_loadd(4, XH + c * 64, in_p);
+        _tile_loadd(5, XL + c * 64, in_p);
+        _tile_dpbssd(0, 4, 6); _tile_dpbssd(1, 4, 7);
+        _tile_dpbusd(2, 5, 6); _tile_dpbusd(3, 5, 7);
+    }
+    _tile_stored(0, S[0], 64); _tile_stored(1, S[1], 64); _tile_stored(2, S[2], 64); _tile_stored(3, S[3], 64);
+    for (int r = 0; r < R; r++)
+        for (int h = 0; h < 2; h++) {  /* integer adds wrap: the sum is exact as it fits in int32 */
+            const __m512i v = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(S[h] + 16 * r), 8),
+                                               _mm512_load_si512(S[2 + h] + 16 * r));
+            _mm512_storeu_ps(acc + r * NB + 16 * h, _mm512_cvtepi32_ps(v));
+        }
+}
+/* The same sums for R <= 4 rows with AVX512-VNNI on the tiles' layout (tile loads from memory read a one-row call's
+   weights slower than vector loads: 1.06 against 0.85 ms for SmolLM2's lm_head). Byte products take an unsigned and
+   a signed operand: lo q directly, hi q as (q + 128) hi - 128 hi, so the sums need H[r] = sum_i hi[r, i]. */
+static inline __attribute__((always_inline)) void quad_tile(const int8_t *Q, const int8_t *XH, const uint8_t *XL,
+                                                             const int32_t *H, int64_t in_p, int R, float *acc,
+                                                             const int8_t *ahead) {
+    __m512i sh[4][2], sl[4][2];
+    for (int r = 0; r < R; r++) sh[r][0] = sh[r][1] = sl[r][0] = sl[r][1] = _mm512_setzero_si512();
+    const __m512i flip = _mm512_set1_epi8(-128);
+    for (int64_t c = 0; c < in_p / 64; c++) {
+        prefetch_group((const unsigned char *)ahead, c, 2048);
+        for (int t = 0; t < 16; t++)
+            for (int h = 0; h < 2; h++) {
+                const __m512i w = _mm512_loadu_si512(Q + c * 2048 + h * 1024 + t * 64), wu = _mm512_xor_si512(w, flip);
+                for (int r = 0; r < R; r++) {
+                    int32_t hq, lq;
+                    memcpy(&hq, XH + r * in_p + c * 64 + 4 * t, 4);
+                    memcpy(&lq, XL + r * in_p + c * 64 + 4 * t, 4);
+                    sh[r][h] = _mm512_dpbusd_epi32(sh[r][h], wu, _mm512_set1_epi32(hq));
+                    sl[r][h] = _mm512_dpbusd_epi32(sl[r][h], _mm512_set1_epi32(lq), w);
+                }
+            }
+    }
+    for (int r = 0; r < R; r++)
+        for (int h = 0; h < 2; h++) {  /* 256 (sum (q + 128) hi - 128 H) + sum q lo, wrapping: the sum fits */
+            const __m512i hi = _mm512_sub_epi32(sh[r][h], _mm512_set1_epi32(128 * H[r]));
+            _mm512_storeu_ps(acc + r * NB + 16 * h,
+                             _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(hi, 8), sl[r][h])));
+        }
+}
+#define QUAD(R) static __attribute__((noinline)) void quad##R(const int8_t *Q, const int8_t *XH, const uint8_t *XL, \
+        const int32_t *H, int64_t in_p, float *acc, const int8_t *ahead) { \
+    quad_tile(Q, XH, XL, H, in_p, R, acc, ahead); }
+QUAD(1) QUAD(2) QUAD(3) QUAD(4)
+#undef QUAD
+typedef void (*quad_fn)(const int8_t *, const int8_t *, const uint8_t *, const int32_t *, int64_t, float *,
+                        const int8_t *);
+static const quad_fn QUADS[5] = {0, quad1, quad2, quad3, quad4};
+#define QUAD_ROWS 4  /* row counts up to which quad_tile serves */
+#else
+#define SCREEN_TILES 0
+#endif
+/* whether screen_argmax can read Q in the tiles' layout (address tagged 2) */
+int screen_tiles(void) { return SCREEN_TILES; }
+
 /* the kernel's sum for one output: tile()'s lane, one multiply-add per input in order from 0 */
 #if defined(__FMA__) || defined(__AVX512F__)  /* maddw and madd fuse exactly then */
 #define KERNEL_MADD(a, w, x) fmaf(w, x, a)
@@ -1285,6 +1374,13 @@ int64_t screen_argmax(const int8_t *Q, const float *S, const float *C, double n_
        underflow (up to 2^-126 each, with denormals flushed), and the int16 rounding of x below. NaN for a row that
        the screen leaves to the caller (Y = -1): a NaN or infinity in x, or logits that could overflow. */
     float *nx = best_all + (int64_t)nthreads * M, *extra = nx + M, *sx = extra + M;
+#if SCREEN_TILES
+    const int64_t in_p = (in_f + 63) / 64 * 64;
+    int8_t *XH = on_tiles((const float *)Q) ? amx_buffer(2 * M * in_p + 4 * M) : 0;
+    uint8_t *XL = (uint8_t *)XH + M * in_p;
+    int32_t *HS = (int32_t *)(XL + M * in_p);  /* sum of each row's hi bytes (quad_tile) */
+    const int8_t *QT = (const int8_t *)untag((const float *)Q);
+#endif
     for (int64_t m = 0; m < M; m++) {
         const float *x = X + m * in_f;
         double s = 0.0;
@@ -1304,6 +1400,17 @@ int64_t screen_argmax(const int8_t *Q, const float *S, const float *C, double n_
             d += ((double)x[i] - (double)sx[m] * r) * ((double)x[i] - (double)sx[m] * r);
         }
         extra[m] += (float)(sqrt(d) * n_max * 1.001);
+#if SCREEN_TILES
+        if (XH) {
+            HS[m] = 0;
+            for (int64_t i = 0; i < in_p; i++) {
+                const int v = i < in_f ? Xq[m * in_f + i] : 0;
+                XH[m * in_p + i] = (int8_t)(v >> 8);
+                XL[m * in_p + i] = (uint8_t)(v & 255);
+                HS[m] += v >> 8;
+            }
+        }
+#endif
 #else
         (void)Xq; (void)n_max; (void)sx;
 #endif
@@ -1319,13 +1426,28 @@ int64_t screen_argmax(const int8_t *Q, const float *S, const float *C, double n_
         int64_t lo, hi;
         share(nblk, &lo, &hi);
         const int64_t o_lo = lo * NB, o_hi = hi * NB < out_f ? hi * NB : out_f;
-        float acc[RMAX * NB];
+        float acc[16 * NB];  /* up to 16 rows: the tiles' */
         /* 1. the int8 estimates of this thread's outputs */
         for (int64_t b = lo; b < hi; b++)
             for (int64_t m0 = 0; m0 < M;) {
                 const int R = tile_rows(M - m0);
                 const int8_t *ahead = m0 == 0 && b + 1 < hi ? Q + (b + 1) * in_f * NB : 0;
                 const int64_t o0 = b * NB, n = out_f - o0 < NB ? out_f - o0 : NB;
+#if SCREEN_TILES
+                if (XH) {
+                    const int RT = M - m0 < 16 ? (int)(M - m0) : 16;
+                    const int8_t *at = QT + b * in_p * NB, *next = m0 == 0 && b + 1 < hi ? at + in_p * NB : 0;
+                    if (RT <= QUAD_ROWS)
+                        QUADS[RT](at, XH + m0 * in_p, XL + m0 * in_p, HS + m0, in_p, acc, next);
+                    else
+                        screen_tile(at, XH + m0 * in_p, XL + m0 * in_p, in_p, RT, acc, next);
+                    for (int r = 0; r < RT; r++)
+                        for (int64_t o = 0; o < n; o++)
+                            A[(m0 + r) * out_f + o0 + o] = S[o0 + o] * (sx[m0 + r] * acc[r * NB + o]);
+                    m0 += RT;
+                    continue;
+                }
+#endif
 #if SCREEN_PAIRS
                 PTILES[R](Q + b * in_f * NB, Xq + m0 * in_f, in_f, acc, ahead);
                 for (int r = 0; r < R; r++)
@@ -1454,6 +1576,7 @@ def load(path: Path) -> ctypes.CDLL:
                                   vp, vp, vp, vp, ctypes.c_int]
     lib.screen_argmax.restype = i64
     lib.screen_pairs.argtypes, lib.screen_pairs.restype = [], ctypes.c_int
+    lib.screen_tiles.argtypes, lib.screen_tiles.restype = [], ctypes.c_int
     lib.q4_supported.argtypes, lib.q4_supported.restype = [], ctypes.c_int
     lib.amx_enable.argtypes, lib.amx_enable.restype = [], ctypes.c_int
     for fn in (lib.rows_linear, lib.rows_gated, lib.rms_norm, lib.rope, lib.attend, lib.attention_block,
@@ -1752,13 +1875,26 @@ def screen_tables(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tor
     (u = 2^-24) of the exact one, relative to sum |w_i x_i| <= |w| |x| (Higham, Accuracy and Stability of
     Numerical Algorithms, 3.1; underflow is the C code's absolute term). C is that sum, from float64, times 1.001
     for the float32 arithmetic of the test itself, rounded up to float32. None for a weight with a NaN or an
-    infinity. Made on first use and kept on the weight like `packed`'s copy (a quarter of its memory more)."""
-    pairs = bool((_lib or library()).screen_pairs())
+    infinity. Made on first use and kept on the weight like `packed`'s copy (a quarter of its memory more). With
+    AMX tiles (`amx_on` and a kernel with AMX-INT8) q is laid out for them instead (`pack_screen_tiles`): the same
+    integer sums, at about one row's cost for up to 16 rows."""
+    lib = _lib or library()
+    form = "tiles" if lib.screen_tiles() and amx_on() else "pairs" if lib.screen_pairs() else "rows"
     return _kept(weight, "_eagle_screen",
-                 lambda w: _screen_tables(w.detach(), pairs) if bool(torch.isfinite(w).all()) else None, pairs)
+                 lambda w: _screen_tables(w.detach(), form) if bool(torch.isfinite(w).all()) else None, form)
 
 
-def _screen_tables(weight: torch.Tensor, pairs: bool) -> tuple:
+def pack_screen_tiles(q8: torch.Tensor) -> torch.Tensor:
+    """The AMX screen's layout of int8 weights [out, in] (C `screen_tile`): [ceil(out / PACK), in_p / 64, 2, 16, 16, 4]
+    with in_p = in rounded up to 64: for each block of 32 outputs and 64 inputs two tiles (outputs 0-15 and 16-31),
+    row t holding inputs 4 t .. 4 t + 3 of each output side by side; zeros pad outputs and inputs."""
+    out_f, in_f = q8.shape
+    q8 = torch.nn.functional.pad(q8, (0, -in_f % 64, 0, -out_f % PACK))
+    nb, nc = q8.shape[0] // PACK, q8.shape[1] // 64
+    return q8.reshape(nb, 2, 16, nc, 16, 4).permute(0, 3, 1, 4, 2, 5).contiguous()
+
+
+def _screen_tables(weight: torch.Tensor, form: str) -> tuple:
     out_f, in_f = weight.shape
     n = in_f + 2
     gamma = n * 2.0 ** -24 / (1 - n * 2.0 ** -24)
@@ -1776,7 +1912,7 @@ def _screen_tables(weight: torch.Tensor, pairs: bool) -> tuple:
         c[lo:lo + 4096] = torch.where(c32.double() < cl, torch.nextafter(c32, torch.tensor(float("inf"))), c32)
         s[lo:lo + 4096], q8[lo:lo + 4096] = sl, q.to(torch.int8)
         n_max, w_max = max(n_max, float(sq.norm(dim=1).max())), max(w_max, float(w.norm(dim=1).max()))
-    return pack(q8, pairs), s, c, n_max, w_max
+    return pack_screen_tiles(q8) if form == "tiles" else pack(q8, form == "pairs"), s, c, n_max, w_max
 
 
 def screen_argmax(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -1798,7 +1934,8 @@ def screen_argmax(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     xq = torch.empty(m * in_f, dtype=torch.int16)
     y = torch.empty(m, dtype=torch.int64)
     lo = a[m * out_f:]
-    left = (_lib or library()).screen_argmax(q.data_ptr(), s.data_ptr(), c.data_ptr(), n_max, w_max,
+    tag = 2 if q.dim() == 6 else 0  # pack_screen_tiles's layout: its address tagged for the kernel
+    left = (_lib or library()).screen_argmax(q.data_ptr() | tag, s.data_ptr(), c.data_ptr(), n_max, w_max,
                                              weight.data_ptr(), x.data_ptr(), out_f, in_f, m, a.data_ptr(),
                                              lo.data_ptr(), lo[threads * m:].data_ptr(), at.data_ptr(),
                                              xq.data_ptr(), y.data_ptr(), threads)

@@ -342,7 +342,13 @@ def _check_screen_edge_cases() -> None:
 
 @pytest.mark.skipif(not cpukernel.available(), reason="the C kernel does not build here")
 @pytest.mark.parametrize("threads", [1, 2])
-def test_screened_argmax_is_the_kernels_argmax_bit_for_bit(threads):
+@pytest.mark.parametrize("tiles", [True, False])
+def test_screened_argmax_is_the_kernels_argmax_bit_for_bit(threads, tiles, monkeypatch):
+    # tiles: the AMX layout where this machine has it (tile products from 5 rows, byte products below), else the
+    # VNNI pairs' (or the float path's)
+    if tiles and not (cpukernel.library().screen_tiles() and cpukernel.amx_on()):
+        pytest.skip("no AMX-INT8 here")
+    monkeypatch.setattr(cpukernel, "AMX", tiles and cpukernel.AMX)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
