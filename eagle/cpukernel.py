@@ -546,6 +546,9 @@ static void *amx_buffer(size_t n) {
 /* M input rows made ready for tile products: XS [3][Mp][in] their bfloat16 parts (rows past M zero), S [M][in /
    32] each group's float32 sum (in order), acc [Mp][NB] room for one block's sums; tiles of R rows */
 static amx_rows amx_prepare(const float *X, int64_t M, int64_t in_f) {
+    /* the tile configuration is loaded again in each call: another library on this thread (oneDNN's bfloat16
+       products in torch, or another build of this kernel) may have changed or released it since */
+    amx_rows_loaded = 0;
     amx_rows a;
     const int64_t tiles = (M + 15) / 16;
     a.R = (int)((M + tiles - 1) / tiles);
@@ -1427,6 +1430,9 @@ int64_t screen_argmax(const int8_t *Q, const float *S, const float *C, double n_
         share(nblk, &lo, &hi);
         const int64_t o_lo = lo * NB, o_hi = hi * NB < out_f ? hi * NB : out_f;
         float acc[16 * NB];  /* up to 16 rows: the tiles' */
+#if SCREEN_TILES
+        amx_rows_loaded = 0;  /* loaded again in each call, as amx_prepare says */
+#endif
         /* 1. the int8 estimates of this thread's outputs */
         for (int64_t b = lo; b < hi; b++)
             for (int64_t m0 = 0; m0 < M;) {

@@ -2,6 +2,9 @@
 float32 accuracy, and an EAGLE head's weights in bfloat16 while it drafts. Each row keeps its bits at every row
 count, so verification passes stay lossless."""
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -73,3 +76,26 @@ def test_a_heads_own_weights_draft_in_bf16_and_decoding_stays_lossless():
     dec.use_fast_path(False)
     with torch.no_grad():
         assert not any(cpukernel.in_bf16(w) for w in own)
+
+
+def test_tile_products_survive_other_amx_users_on_the_same_thread():
+    # torch's bfloat16 products (oneDNN) use the same tiles and release them: each kernel call must load its own
+    # tile configuration again, or its next tile instruction is illegal (the process dies with SIGILL, so the
+    # check runs in a child process)
+    script = """
+import torch
+from eagle import cpukernel
+g = torch.Generator().manual_seed(0)
+w, lm = cpukernel.q4_1_weight(256, 576, g), torch.randn(1000, 576, generator=g)
+x = torch.randn(6, 576, generator=g)
+want, top = cpukernel.rows_linear(x, w, None), cpukernel.screen_argmax(x, lm)
+a = torch.randn(256, 512).bfloat16()
+for _ in range(3):  # the same call again after torch's: its configuration would be taken as still loaded
+    torch.mm(a, a.t())
+    assert torch.equal(cpukernel.rows_linear(x, w, None), want)
+for _ in range(3):
+    torch.mm(a, a.t())
+    assert torch.equal(cpukernel.screen_argmax(x, lm), top)
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
