@@ -7,9 +7,9 @@
   made once per weight and kept beside it), so a tile of up to 12 input rows multiplies each loaded weight vector
   with every row, with no horizontal sums; blocks are split over the threads `torch.get_num_threads()` names.
   A weight dequantized from GGUF Q4_1 (as transformers loads a `.gguf` file: `d * q + m` in float32 with float16
-  d, m per 32 inputs of an output and 4-bit q) is kept as those codes instead (`q4_1_codes`, `pack_q4`: 0.75 bytes
+  d, m per 32 inputs of an output and 4-bit q) is kept as those codes instead (`q4_1_codes`, `pack_q4`: 0.625 bytes
   a weight, 4 before) and decoded in registers to the same float32 values, so every product keeps its bits while a
-  one-token step reads a fifth of the bytes (SmolLM2: all 210 decoder weights; BENCHMARKS.md). Where the CPU has
+  one-token step reads a sixth of the bytes (SmolLM2: all 210 decoder weights; BENCHMARKS.md). Where the CPU has
   AMX tiles (Sapphire Rapids and later) those codes are multiplied on them instead (`amx_on`; `EAGLE_NO_AMX=1`
   keeps the FMA path): bfloat16 tile products of the exact codes and of each input split exactly into three
   bfloat16 parts, so float32 accuracy, other bits than the float32 path's, and 16 rows at about twice the cost of
@@ -205,7 +205,7 @@ static inline void store_block(float *Y, const float *acc, const float *B, int64
 }
 
 /* Weights that are GGUF Q4_1 blocks dequantized to float32 (w = fl(fl(d q) + m) for one fp16 d and m per 32
-   consecutive inputs of an output, q in 0..15), read in that form: 0.75 bytes a weight instead of 4, decoded to the
+   consecutive inputs of an output, q in 0..15), read in that form: 0.625 bytes a weight instead of 4, decoded to the
    same float32 values, so every product keeps its bits. Layout of block b (outputs 32 b .. 32 b + 31), for each
    group g of 32 inputs, QG bytes: d[32] and m[32] as float16 (as GGUF stores them: exact), then for each input of
    the group 16 bytes, byte j holding output j's q in its low four bits and output 16 + j's in its high four. The
@@ -1793,7 +1793,7 @@ def amx_on() -> bool:
 
 def packed(weight: torch.Tensor) -> int:
     """Address of `weight` in the kernels' layout, made on first use and kept on the tensor itself until the weight
-    changes in place (an optimizer step) or moves: Q4_1 codes for a weight dequantized from GGUF Q4_1 (0.75 bytes a
+    changes in place (an optimizer step) or moves: Q4_1 codes for a weight dequantized from GGUF Q4_1 (0.625 bytes a
     weight; on the FMA path decoded to the same float32 values, so every product keeps its bits; on AMX tiles
     (`amx_on`) summed in another order with float32 accuracy), else `pack`'s float32 copy (twice the weight's memory).
     Each setting of `Q4_1` and `AMX` keeps its own copy, so a benchmark can switch between them. A weight
