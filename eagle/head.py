@@ -83,11 +83,24 @@ class RMSNorm(nn.Module):
         return self.weight * (x * torch.rsqrt(var + self.eps))
 
 
+_ROPE_TABLES: dict = {}  # (head_dim, theta, dtype, device) -> cos, sin [positions, head_dim]
+
+
 def rope_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=position_ids.device, dtype=torch.float64) / head_dim))
-    freqs = position_ids[..., None].double() * inv_freq  # [B, T, D/2]
-    emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]  # [B, 1, T, D]
+    """cos and sin [B, 1, T, D] of the rotary embedding at position_ids [B, T], rows of a table of every position
+    up to the largest asked so far (the same values as computing them on the spot: each is computed alone, in
+    float64, then cast), so a drafting step only gathers two rows."""
+    key = (head_dim, theta, dtype, position_ids.device)
+    need = int(position_ids.max()) + 1 if position_ids.numel() else 1
+    table = _ROPE_TABLES.get(key)
+    if table is None or table[0].shape[0] < need:
+        pos = torch.arange(max(4096, 1 << math.ceil(math.log2(need))), device=position_ids.device, dtype=torch.float64)
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=position_ids.device, dtype=torch.float64)
+                                    / head_dim))
+        freqs = pos[:, None] * inv_freq  # [positions, D/2]
+        emb = torch.cat([freqs, freqs], dim=-1)
+        table = _ROPE_TABLES[key] = (emb.cos().to(dtype), emb.sin().to(dtype))
+    return table[0][position_ids][:, None], table[1][position_ids][:, None]  # [B, 1, T, D]
 
 
 def _rotate_half(x):

@@ -132,6 +132,23 @@ def test_gguf_conversion_cache_is_keyed_by_content_not_path(tmp_path, monkeypatc
 
 
 @pytest.mark.skipif(not cpukernel.available(), reason="the C kernel does not build here")
+def test_rotary_tables_give_the_values_computed_on_the_spot():
+    # rope_cos_sin gathers rows of a table that grows with the largest position asked; each value is computed alone
+    # in float64 and cast, so it must equal computing it for the asked positions only, bit for bit
+    from eagle.head import rope_cos_sin
+
+    def on_the_spot(pos, head_dim, theta, dtype):
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+        emb = torch.cat([pos[..., None].double() * inv_freq] * 2, dim=-1)
+        return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]
+
+    for pos in (torch.tensor([[255]]), torch.arange(300)[None], torch.tensor([[9000, 7, 5000]]),
+                torch.randint(0, 20000, (3, 17), generator=torch.Generator().manual_seed(0))):
+        for dtype in (torch.float32, torch.bfloat16):
+            for got, want in zip(rope_cos_sin(pos, 64, 1e5, dtype), on_the_spot(pos, 64, 1e5, dtype)):
+                assert got.shape == want.shape == (pos.shape[0], 1, pos.shape[1], 64) and torch.equal(got, want)
+
+
 def test_head_attention_in_c_matches_torch_when_drafting(monkeypatch):
     # drafting on the CPU in float32 takes the C rotary embedding and attention: a prefill, a one-row step and a
     # tree-masked step with the head's own cache give what torch's path gives, to float32 rounding
