@@ -1,7 +1,7 @@
-"""What drafting costs against a target step: ms per drafting round and per head step, with the head's attention
-on its C path (eagle.head: rotary embedding and grouped attention in C) and its weights in bfloat16 on AMX tiles where
-the CPU has them (`cpukernel.bf16_drafts`, as decoding drafts), against float32 weights and against torch's attention,
-interleaved.
+"""What drafting costs against a target step: ms per drafting round and per head step, as decoding drafts (each
+head layer in one C call, `eagle.head.LAYER_IN_ONE_CALL`; its weights in bfloat16 on AMX tiles where the CPU has them,
+`cpukernel.bf16_drafts`), against the layer run in parts (torch operations around C products and attention), against
+float32 weights and against torch's path, interleaved.
 
     .venv/bin/python benchmarks/draft_cost.py --draft runs/demo/head --k 3 --dynamic 2,3,4 4,3,8 [--cold]
 
@@ -71,9 +71,11 @@ def main() -> None:
             head.logits(head(feats[:, -1:], ids[:, -1:], pos, cache=proposer.cache)[0])
 
     stock_fits = head_module._kernel_fits
-    # (the head's attention in C, its weights in bfloat16 on AMX tiles: `cpukernel.bf16_drafts`, where it can)
-    paths = {"attention in C": (stock_fits, True), "float32 weights": (stock_fits, False),
-             "torch attention": (lambda x, head_dim: False, True)}
+    # (C paths, whether each head layer runs in one C call, the head's weights in bfloat16 on AMX tiles:
+    # `cpukernel.bf16_drafts`, where it can)
+    paths = {"layer in one C call": (stock_fits, True, True),
+             "layer in parts, attention in C": (stock_fits, False, True),
+             "float32 weights": (stock_fits, True, False), "torch": (lambda x, head_dim: False, False, True)}
     jobs = {name: (lambda cfg=cfg: one_round(cfg)) for name, cfg in settings.items()}
     jobs["one head step"] = head_step
     times: dict[tuple[str, str], list[float]] = {(p, j): [] for p in paths for j in jobs}
@@ -81,7 +83,7 @@ def main() -> None:
     target_ms: list[float] = []
     for rnd in range(args.rounds):
         for path in (list(paths) if rnd % 2 == 0 else list(paths)[::-1]):
-            head_module._kernel_fits, cpukernel.BF16_DRAFTS = paths[path]
+            head_module._kernel_fits, head_module.LAYER_IN_ONE_CALL, cpukernel.BF16_DRAFTS = paths[path]
             for name, fn in jobs.items():
                 fn()  # warm-up
                 for _ in range(args.repeats):
@@ -90,7 +92,7 @@ def main() -> None:
                     t0 = time.perf_counter()
                     fn()
                     times[(path, name)].append((time.perf_counter() - t0) * 1e3)
-        head_module._kernel_fits, cpukernel.BF16_DRAFTS = stock_fits, True
+        head_module._kernel_fits, head_module.LAYER_IN_ONE_CALL, cpukernel.BF16_DRAFTS = stock_fits, True, True
         target_ms.append(pass_ms(dec, text, args.context, [1], args.repeats, fast=True)[1])
     step = statistics.median(target_ms)
     print(f"threads {torch.get_num_threads()}, context {args.context}; median ms over {args.rounds} x {args.repeats}"
@@ -100,7 +102,7 @@ def main() -> None:
     print("|---" * (len(paths) + 1) + "|")
     for name in jobs:
         print(f"| {name} | " + " | ".join(f"{statistics.median(times[(p, name)]):.2f}" for p in paths) + " |")
-    c_step = statistics.median(times[("attention in C", "one head step")])
+    c_step = statistics.median(times[("layer in one C call", "one head step")])
     print(f"target step (one token, fast path): {step:.1f} ms; one head step / target step: {c_step / step:.3f}")
 
 

@@ -1093,8 +1093,8 @@ void decoder_layer(const float *X, int64_t M, int64_t hid, const float *Wn1, flo
                    const float *G, const float *U, const float *Dn, int64_t inter,
                    float *work, float *Y, int nthreads) {
     float *N = work, *Hs = N + M * hid, *T = Hs + M * hid, *Mid = T + M * hid, *aw = Mid + M * inter;
-    rms_norm(X, Wn1, N, M, hid, eps1);
-    attention_block(N, M, hid, Wq, Bq, Wk, Bk, Wv, Bv, Wo, Bo, H, Hkv, D, cos, sin, K, V, kv_sh, past,
+    if (Wn1) rms_norm(X, Wn1, N, M, hid, eps1);  /* none: the input goes to attention as it is (an EAGLE head's) */
+    attention_block(Wn1 ? N : X, M, hid, Wq, Bq, Wk, Bk, Wv, Bv, Wo, Bo, H, Hkv, D, cos, sin, K, V, kv_sh, past,
                     mask, mask_kind, mask_sm, scale, aw, T, nthreads);
     for (int64_t i = 0; i < M * hid; i++) Hs[i] = X[i] + T[i];
     rms_norm(Hs, Wn2, N, M, hid, eps2);
@@ -2046,14 +2046,15 @@ def decoder_layer(x: torch.Tensor, norms: tuple, projs: tuple, mlp: tuple, heads
                   past: int, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
     """A Llama-style decoder layer's forward for x [1, M, hidden] in one C call: `rms_norm`, `attention_block`,
     the residual sum, `rms_norm`, `rows_gated`, `rows_linear`, the residual sum, bit for bit. norms = (input norm
-    weight, eps, post-attention norm weight, eps); mlp = (gate, up, down weights); the rest as `attention_block`."""
+    weight or None for no input norm, eps, post-attention norm weight, eps); mlp = (gate, up, down weights); the rest
+    as `attention_block`."""
     m, hid = x.shape[1], x.shape[2]
     inter = mlp[0].shape[0]
     y = x.new_empty(1, m, hid)
     work = _scratch(m * (3 * hid + inter + (2 * heads + 2 * kv_heads) * head_dim))
     kind, mask_sm = _mask_rows(mask)
     (_lib or library()).decoder_layer(
-        x.data_ptr(), m, hid, norms[0].data_ptr(), norms[1], norms[2].data_ptr(), norms[3],
+        x.data_ptr(), m, hid, _ptr(norms[0]), norms[1], norms[2].data_ptr(), norms[3],
         *_projection_ptrs(projs), heads, kv_heads, head_dim, cos.data_ptr(), sin.data_ptr(),
         k_buf.data_ptr(), v_buf.data_ptr(), k_buf.stride(1), past, _ptr(mask), kind, mask_sm, scale,
         packed(mlp[0]), packed(mlp[1]), packed(mlp[2]), inter, work.data_ptr(), y.data_ptr(),

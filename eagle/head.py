@@ -83,6 +83,7 @@ class RMSNorm(nn.Module):
         return self.weight * (x * torch.rsqrt(var + self.eps))
 
 
+LAYER_IN_ONE_CALL = True  # drafting on the CPU: each decoder layer in one C call (else its parts, attention in C)
 _ROPE_TABLES: dict = {}  # (head_dim, theta, dtype, device) -> cos, sin [positions, head_dim]
 
 
@@ -129,18 +130,27 @@ class HeadCache:
             self.k[layer] = torch.cat([old_k[:, :, :start], k], dim=2)
             self.v[layer] = torch.cat([old_v[:, :, :start], v], dim=2)
             return self.k[layer], self.v[layer]
+        buf_k, buf_v = self.buffers(layer, k, start, end)
+        buf_k[:, :, start:end] = k
+        buf_v[:, :, start:end] = v
+        return buf_k[:, :, :end], buf_v[:, :, :end]
+
+    def buffers(self, layer: int, like: torch.Tensor, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's key and value buffers [B, kv_heads, capacity >= end, D] (contiguous) for entries shaped as
+        `like` [B, kv_heads, T, D], grown (keeping the first `start` positions) where they are short."""
+        while len(self.k) <= layer:
+            self.k.append(None)
+            self.v.append(None)
         buf = self.k[layer]
-        if buf is None or buf.shape[2] < end or buf.shape[0] != k.shape[0]:
+        if buf is None or buf.shape[2] < end or buf.shape[0] != like.shape[0]:
             cap = max(256, 1 << math.ceil(math.log2(end)))
-            nk = k.new_zeros(k.shape[0], k.shape[1], cap, k.shape[3])
+            nk = like.new_zeros(like.shape[0], like.shape[1], cap, like.shape[3])
             nv = torch.zeros_like(nk)
-            if buf is not None and buf.shape[0] == k.shape[0]:
+            if buf is not None and buf.shape[0] == like.shape[0]:
                 nk[:, :, :start] = buf[:, :, :start]
                 nv[:, :, :start] = self.v[layer][:, :, :start]
             self.k[layer], self.v[layer] = nk, nv
-        self.k[layer][:, :, start:end] = k
-        self.v[layer][:, :, start:end] = v
-        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+        return self.k[layer], self.v[layer]
 
     def crop(self, n: int) -> None:
         self.length = min(self.length, n)
@@ -226,9 +236,30 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x, cos, sin, cache, layer, mask):
+        if LAYER_IN_ONE_CALL and cache is not None and x.shape[0] == 1 and _kernel_fits(x, self.self_attn.hd):
+            return self._forward_kernel(x, cos, sin, cache, layer, mask)
         a = x if self.input_layernorm is None else self.input_layernorm(x)
         h = x + self.self_attn(a, cos, sin, cache, layer, mask)
         return h + self.mlp(self.post_attention_layernorm(h))
+
+    def _forward_kernel(self, x, cos, sin, cache: HeadCache, layer: int, mask: torch.Tensor | None):
+        """Drafting on the CPU: the whole layer in one C call (`cpukernel.decoder_layer`: the same norms, products,
+        rotary embedding and attention as the C paths of the steps above), the new keys and values written into
+        the cache's buffers in place."""
+        attn, norm1, norm2, mlp = self.self_attn, self.input_layernorm, self.post_attention_layernorm, self.mlp
+        T, past = x.shape[1], cache.length
+        k_buf, v_buf = cache.buffers(layer, x.new_empty(1, attn.nkv, T, attn.hd), past, past + T)
+        if mask is None and T > 1:
+            mask = torch.ones(T, past + T, dtype=torch.bool).tril(past)
+        if mask is not None:
+            mask = mask.reshape(1, 1, *mask.shape[-2:])
+            mask = mask if mask.stride(-1) == 1 else mask.contiguous()
+        return cpukernel.decoder_layer(
+            x.contiguous(), (None if norm1 is None else norm1.weight, norm1.eps if norm1 else 0.0, norm2.weight,
+                             norm2.eps),
+            (attn.q_proj.weight, None, attn.k_proj.weight, None, attn.v_proj.weight, None, attn.o_proj.weight, None),
+            (mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight), attn.nh, attn.nkv, attn.hd,
+            cos[:, 0], sin[:, 0], k_buf, v_buf, past, mask, attn.hd ** -0.5)
 
 
 class EagleHead(nn.Module):
@@ -349,6 +380,25 @@ class Eagle3Layer(nn.Module):
         a = torch.cat([self.input_layernorm(emb), self.hidden_norm(x)], dim=-1)
         h = x + self.self_attn(a, cos, sin, cache, layer, mask)
         return h + self.mlp(self.post_attention_layernorm(h))
+
+    def _forward_kernel(self, x, cos, sin, cache: HeadCache, layer: int, mask: torch.Tensor | None):
+        """Drafting on the CPU: the whole layer in one C call (`cpukernel.decoder_layer`: the same norms, products,
+        rotary embedding and attention as the C paths of the steps above), the new keys and values written into
+        the cache's buffers in place."""
+        attn, norm1, norm2, mlp = self.self_attn, self.input_layernorm, self.post_attention_layernorm, self.mlp
+        T, past = x.shape[1], cache.length
+        k_buf, v_buf = cache.buffers(layer, x.new_empty(1, attn.nkv, T, attn.hd), past, past + T)
+        if mask is None and T > 1:
+            mask = torch.ones(T, past + T, dtype=torch.bool).tril(past)
+        if mask is not None:
+            mask = mask.reshape(1, 1, *mask.shape[-2:])
+            mask = mask if mask.stride(-1) == 1 else mask.contiguous()
+        return cpukernel.decoder_layer(
+            x.contiguous(), (None if norm1 is None else norm1.weight, norm1.eps if norm1 else 0.0, norm2.weight,
+                             norm2.eps),
+            (attn.q_proj.weight, None, attn.k_proj.weight, None, attn.v_proj.weight, None, attn.o_proj.weight, None),
+            (mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight), attn.nh, attn.nkv, attn.hd,
+            cos[:, 0], sin[:, 0], k_buf, v_buf, past, mask, attn.hd ** -0.5)
 
 
 class Eagle3Head(EagleHead):

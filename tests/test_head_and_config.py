@@ -149,14 +149,16 @@ def test_rotary_tables_give_the_values_computed_on_the_spot():
                 assert got.shape == want.shape == (pos.shape[0], 1, pos.shape[1], 64) and torch.equal(got, want)
 
 
-def test_head_attention_in_c_matches_torch_when_drafting(monkeypatch):
-    # drafting on the CPU in float32 takes the C rotary embedding and attention: a prefill, a one-row step and a
-    # tree-masked step with the head's own cache give what torch's path gives, to float32 rounding
+@pytest.mark.parametrize("layers", [1, 2])
+def test_head_layer_in_c_matches_torch_when_drafting(monkeypatch, layers):
+    # drafting on the CPU in float32 runs each head layer in one C call (norms, products, rotary embedding,
+    # attention; a second layer has an input norm, the first none): a prefill, a one-row step and a tree-masked
+    # step with the head's own cache give what torch's path gives, to float32 rounding
     from eagle import head as head_module
     from eagle.head import HeadCache
 
     target = tiny_target(dtype=torch.float32, hidden=64)
-    head = tiny_head(target)
+    head = tiny_head(target, num_layers=layers)
     g = torch.Generator().manual_seed(0)
     feats, ids = torch.randn(1, 9, 64, generator=g), torch.randint(0, 96, (1, 9), generator=g)
     tree_mask = torch.tensor([[True] * 8 + [True, False, False], [True] * 8 + [False, True, False],
@@ -171,15 +173,15 @@ def test_head_attention_in_c_matches_torch_when_drafting(monkeypatch):
                             cache=cache, mask=tree_mask))
         return out
 
-    calls, original = [], head_module.Attention._forward_kernel
+    calls, original = [], head_module.DecoderLayer._forward_kernel
 
     def counted(self, *args):
         calls.append(1)
         return original(self, *args)
 
-    monkeypatch.setattr(head_module.Attention, "_forward_kernel", counted)
+    monkeypatch.setattr(head_module.DecoderLayer, "_forward_kernel", counted)
     fast = run()
-    assert len(calls) == 3  # every call took the C path
+    assert len(calls) == 3 * layers  # every layer of every call took the C path
     monkeypatch.setattr(head_module, "_kernel_fits", lambda x, head_dim: False)
     for got, want in zip(fast, run()):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
