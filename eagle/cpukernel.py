@@ -493,23 +493,25 @@ static inline void store_gated(float *Y, const float *g, const float *u, int64_t
 /* Linux lets a process use AMX tiles once it asks: 1 when it may */
 int amx_enable(void) { return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0; }
 
-/* tiles 0, 1: sums of the two halves (16 outputs each) of a block, R rows; 2, 3, 4: the three parts of R input
-   rows (32 inputs); 5, 6: the two halves' codes as bfloat16, pairs of inputs side by side. Loaded once per thread
-   and row count. */
 typedef struct { uint8_t palette, start; uint8_t reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; } tile_config;
+/* the configuration this thread loaded: its mark (see the callers), 0 for none or unknown */
 static __thread int amx_rows_loaded;
-static void amx_config(int R) {
-    if (amx_rows_loaded == R) return;
+/* tiles 0 .. with_r - 1 of R rows, with_r .. tiles - 1 of 16, all rows 64 bytes; loaded unless `mark` is */
+static void load_tiles(int R, int with_r, int tiles, int mark) {
+    if (amx_rows_loaded == mark) return;
     tile_config c;
     memset(&c, 0, sizeof c);
     c.palette = 1;
-    for (int t = 0; t < 7; t++) {
-        c.rows[t] = t < 5 ? R : 16;
+    for (int t = 0; t < tiles; t++) {
+        c.rows[t] = t < with_r ? R : 16;
         c.colsb[t] = 64;
     }
     _tile_loadconfig(&c);
-    amx_rows_loaded = R;
+    amx_rows_loaded = mark;
 }
+/* tiles 0, 1: sums of the two halves (16 outputs each) of a block, R rows; 2, 3, 4: the three parts of R input
+   rows (32 inputs); 5, 6: the two halves' codes as bfloat16, pairs of inputs side by side. Marked R. */
+static void amx_config(int R) { load_tiles(R, 5, 7, R); }
 
 /* a group's 512 code bytes into T: two 1 KB tiles (16 pairs of inputs x 16 outputs x 2) of bfloat16 codes. Each 64
    bytes hold four tile rows: the low four bits of bytes 16 j .. 16 j + 7 are words 8 j .. 8 j + 7 of the first
@@ -1244,19 +1246,8 @@ int screen_pairs(void) { return SCREEN_PAIRS; }
 #if AMX_OK && defined(__AMX_INT8__) && SCREEN_PAIRS
 #define SCREEN_TILES 1
 /* tiles 0-3: R rows of int32 sums (hi and lo parts times the two halves); 4, 5: the hi and lo bytes of R rows, 64
-   inputs; 6, 7: the two halves' int8 weights. The thread's loaded configuration is marked -R (amx_config's: R). */
-static void screen_config(int R) {
-    if (amx_rows_loaded == -R) return;
-    tile_config c;
-    memset(&c, 0, sizeof c);
-    c.palette = 1;
-    for (int t = 0; t < 8; t++) {
-        c.rows[t] = t < 6 ? R : 16;
-        c.colsb[t] = 64;
-    }
-    _tile_loadconfig(&c);
-    amx_rows_loaded = -R;
-}
+   inputs; 6, 7: the two halves' int8 weights. Marked -R. */
+static void screen_config(int R) { load_tiles(R, 6, 8, -R); }
 /* acc[r * NB + j] = sum_i q[j, i] xq[r, i] for r < R <= 16: Q one block, XH / XL [R][in_p] the bytes of xq */
 static void screen_tile(const int8_t *Q, const int8_t *XH, const uint8_t *XL, int64_t in_p, int R, float *acc,
                         const int8_t *ahead) {

@@ -381,25 +381,6 @@ class Eagle3Layer(nn.Module):
         h = x + self.self_attn(a, cos, sin, cache, layer, mask)
         return h + self.mlp(self.post_attention_layernorm(h))
 
-    def _forward_kernel(self, x, cos, sin, cache: HeadCache, layer: int, mask: torch.Tensor | None):
-        """Drafting on the CPU: the whole layer in one C call (`cpukernel.decoder_layer`: the same norms, products,
-        rotary embedding and attention as the C paths of the steps above), the new keys and values written into
-        the cache's buffers in place."""
-        attn, norm1, norm2, mlp = self.self_attn, self.input_layernorm, self.post_attention_layernorm, self.mlp
-        T, past = x.shape[1], cache.length
-        k_buf, v_buf = cache.buffers(layer, x.new_empty(1, attn.nkv, T, attn.hd), past, past + T)
-        if mask is None and T > 1:
-            mask = torch.ones(T, past + T, dtype=torch.bool).tril(past)
-        if mask is not None:
-            mask = mask.reshape(1, 1, *mask.shape[-2:])
-            mask = mask if mask.stride(-1) == 1 else mask.contiguous()
-        return cpukernel.decoder_layer(
-            x.contiguous(), (None if norm1 is None else norm1.weight, norm1.eps if norm1 else 0.0, norm2.weight,
-                             norm2.eps),
-            (attn.q_proj.weight, None, attn.k_proj.weight, None, attn.v_proj.weight, None, attn.o_proj.weight, None),
-            (mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight), attn.nh, attn.nkv, attn.hd,
-            cos[:, 0], sin[:, 0], k_buf, v_buf, past, mask, attn.hd ** -0.5)
-
 
 class Eagle3Head(EagleHead):
     """EAGLE-3 draft head (Li et al. 2025):
