@@ -307,7 +307,7 @@ def _check_screen_against_the_kernel(seed: int) -> None:
             w[b] = w[a]
         w[7] = torch.nextafter(w[3], torch.full_like(w[3], 100.0))
         w[11:30] = w[10] + torch.randn(19, width, generator=g) * 1e-4  # 20 rows within int8's error of each other
-        for rows in (1, 2, 5, 13, 30):
+        for rows in (1, 2, 4, 5, 13, 30):  # tiles: byte products up to 4 rows, tile products from 5
             x = torch.randn(rows, width, generator=g)
             x[0] = w[10] * 2
             if rows == 5:
