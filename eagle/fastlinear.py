@@ -522,7 +522,7 @@ def _plan_fused_attention(mod: nn.Module) -> None:
 
 LAYER_PARTS = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
 FUSED_ATTRS = ("_fast_eps", "_fused_rows", "_fused_dims", "_fused_params", "_fused_parts", "_fused_eps",
-               "_stack_rows", "_stack_dims", "_stack_table")
+               "_stack_rows", "_stack_dims", "_stack_table", "_stack_slots")
 
 
 def _plan_fused_layer(mod: nn.Module) -> bool:
@@ -615,11 +615,15 @@ def _stack_table(mod: nn.Module, cache_layers: list) -> tuple:
     """(addresses [L, STACK_SLOTS], epsilons [L, 2], key strides [L]) for `cpukernel.decoder_stack`: the weights'
     part made again only when a weight changed in place or moved, or the Q4_1 switch changed (as
     `cpukernel.packed` would)."""
-    weights = [w for layer in mod.layers for w in _stack_params(layer)]
+    slots = mod.__dict__.get("_stack_slots")
+    if slots is None:  # (parameter dict, name) of every weight: the modules' live dicts, so a replaced one is seen
+        slots = mod._stack_slots = [(d, name) for layer in mod.layers for d, name in _stack_slots(layer)]
+    weights = [d[name] for d, name in slots]
     try:
         key = [cpukernel.Q4_1, cpukernel.amx_on(), *((w._version, w.data_ptr()) for w in weights)]
     except RuntimeError:  # inference-mode weights have no version counter; they cannot change outside that mode
         key = [cpukernel.Q4_1, cpukernel.amx_on(), *(w.data_ptr() for w in weights)]
+    buffers = [p for c in cache_layers for p in (c._k.data_ptr(), c._v.data_ptr(), c._k.stride(1))]
     kept = mod.__dict__.get("_stack_table")
     if kept is None or kept[0] != key:
         rows = []
@@ -628,17 +632,20 @@ def _stack_table(mod: nn.Module, cache_layers: list) -> tuple:
             rows.append(cpukernel.stack_weights(norm1["weight"], norm2["weight"], _projections(attn),
                                                 (gate["weight"], up["weight"], down["weight"])))
         eps = torch.tensor([layer._fused_eps for layer in mod.layers], dtype=torch.float32)
-        kept = mod._stack_table = (key, rows, eps)
-    _, rows, eps = kept
-    table = torch.tensor([row + [c._k.data_ptr(), c._v.data_ptr()] for row, c in zip(rows, cache_layers)],
-                         dtype=torch.int64)
-    return table, eps, torch.tensor([c._k.stride(1) for c in cache_layers], dtype=torch.int64)
+        kept = mod._stack_table = (key, rows, eps, None, None)
+    key, rows, eps, made_for, tables = kept
+    if made_for != buffers:  # the cache's buffers moved (a new cache, or one grown): their addresses again
+        tables = (torch.tensor([row + buffers[3 * i:3 * i + 2] for i, row in enumerate(rows)], dtype=torch.int64),
+                  torch.tensor(buffers[2::3], dtype=torch.int64))
+        mod._stack_table = (key, rows, eps, buffers, tables)
+    return tables[0], eps, tables[1]
 
 
-def _stack_params(layer: nn.Module) -> list:
+def _stack_slots(layer: nn.Module) -> list:
+    """(parameter dict, name) of a fused layer's weights: its norms', its attention's (and biases), its MLP's."""
     attn, norm1, norm2, gate, up, down = layer._fused_parts
-    return [norm1["weight"], norm2["weight"], *(t for t in _projections(attn) if t is not None), gate["weight"],
-            up["weight"], down["weight"]]
+    projs = [(d, name) for d in attn._fused_params for name in ("weight", "bias") if d.get(name) is not None]
+    return [(norm1, "weight"), (norm2, "weight"), *projs, (gate, "weight"), (up, "weight"), (down, "weight")]
 
 
 def _stack_call(mod: nn.Module, kwargs: dict):

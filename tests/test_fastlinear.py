@@ -235,6 +235,14 @@ def test_every_layer_in_one_call_gives_the_one_call_layers_bits():
             assert torch.equal(target.features(nodes, position_ids=torch.arange(9, 15)[None],
                                                cache=_prefilled(target, prefix)), causal)
             base.forward = fast
+            # a weight changed in place: the stack's table of addresses is made again (a new layout of it)
+            base.layers[1].mlp.down_proj.weight.mul_(2)
+            changed = target.features(nodes, position_ids=torch.arange(9, 15)[None], cache=_prefilled(target, prefix))
+            assert calls[-1] == 6 and not torch.equal(changed, causal)
+            fast = base.__dict__.pop("forward")
+            assert torch.equal(target.features(nodes, position_ids=torch.arange(9, 15)[None],
+                                               cache=_prefilled(target, prefix)), changed)
+            base.forward = fast
     finally:
         cpukernel.decoder_stack = stack
     disable_fast_linear(target.model)
