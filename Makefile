@@ -44,8 +44,8 @@ demo: setup
 		run_dir=$(DEMO)/train out=$(DEMO)/head budget.minutes=$(DEMO_MINUTES)
 	$(BIN)/eagle eval --target smollm2-135m --draft $(DEMO)/head --data $(DEMO)/data/val_conversations.jsonl \
 		--num-prompts 16 --max-new-tokens 128 --mode chain --num-speculative-tokens 3 --out $(DEMO)/eval
-	# the same prompts with the fastest setting measured on this CPU kind: one drafted token and a prompt-lookup
-	# branch of 5 merged into the tree (benchmarks/chain.py, BENCHMARKS.md, twenty-ninth and thirtieth sessions)
+	# the same prompts with the setting `eagle bench` names fastest on this CPU kind: one drafted token and a
+	# prompt-lookup branch of 5 merged into the tree (BENCHMARKS.md, thirtieth session)
 	$(BIN)/eagle eval --target smollm2-135m --draft $(DEMO)/head --data $(DEMO)/data/val_conversations.jsonl \
 		--num-prompts 16 --max-new-tokens 128 --mode chain --num-speculative-tokens 1 --prompt-lookup-num-tokens 5 \
 		--out $(DEMO)/eval_fast

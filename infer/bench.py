@@ -44,7 +44,7 @@ class BenchConfig:
     decode: DecodeConfig = field(default_factory=DecodeConfig)  # what every candidate shares
     sweep_k: list[int] = field(default_factory=lambda: [1, 2, 3, 4, 5, 6])
     sweep_dynamic: list[str] = field(default_factory=lambda: ["2:3:4", "4:3:8", "4:4:8", "8:4:16"])
-    sweep_lookup: list[int] = field(default_factory=lambda: [0, 8])  # 0: the head's drafts alone
+    sweep_lookup: list[int] = field(default_factory=lambda: [0, 5, 8])  # 0: the head's drafts alone
     warmup: int = 1  # prompts decoded once by every candidate, unmeasured, before timing starts
     # after this many prompts, candidates slower than prune_below x the fastest stop (0: every candidate runs all)
     prune_after: int = 2
