@@ -1,7 +1,8 @@
 """What drafting costs against a target step: ms per drafting round and per head step, as decoding drafts (each
-head layer in one C call, `eagle.head.LAYER_IN_ONE_CALL`; its weights in bfloat16 on AMX tiles where the CPU has them,
-`cpukernel.bf16_drafts`), against the layer run in parts (torch operations around C products and attention), against
-float32 weights and against torch's path, interleaved.
+head layer in one C call, `eagle.head.LAYER_IN_ONE_CALL`; its weights marked by `cpukernel.draft_precision` and
+read in int8 where the CPU has AMX-INT8, else in bfloat16 on AMX tiles), against bfloat16 weights, against the layer
+run in parts (torch operations around C products and attention), against float32 weights and against torch's path,
+interleaved.
 
     .venv/bin/python benchmarks/draft_cost.py --draft runs/demo/head --k 3 --dynamic 2,3,4 4,3,8 [--cold]
 
@@ -71,11 +72,13 @@ def main() -> None:
             head.logits(head(feats[:, -1:], ids[:, -1:], pos, cache=proposer.cache)[0])
 
     stock_fits = head_module._kernel_fits
-    # (C paths, whether each head layer runs in one C call, the head's weights in bfloat16 on AMX tiles:
-    # `cpukernel.bf16_drafts`, where it can)
-    paths = {"layer in one C call": (stock_fits, True, True),
-             "layer in parts, attention in C": (stock_fits, False, True),
-             "float32 weights": (stock_fits, True, False), "torch": (lambda x, head_dim: False, False, True)}
+    # (C paths, each head layer in one C call, the head's weights in low precision (`cpukernel.draft_precision`),
+    # in int8 rather than bfloat16)
+    paths = {"as decoding drafts": (stock_fits, True, True, True),
+             "bfloat16 weights": (stock_fits, True, True, False),
+             "layer in parts, attention in C": (stock_fits, False, True, True),
+             "float32 weights": (stock_fits, True, False, True),
+             "torch": (lambda x, head_dim: False, False, True, True)}
     jobs = {name: (lambda cfg=cfg: one_round(cfg)) for name, cfg in settings.items()}
     jobs["one head step"] = head_step
     times: dict[tuple[str, str], list[float]] = {(p, j): [] for p in paths for j in jobs}
@@ -83,7 +86,8 @@ def main() -> None:
     target_ms: list[float] = []
     for rnd in range(args.rounds):
         for path in (list(paths) if rnd % 2 == 0 else list(paths)[::-1]):
-            head_module._kernel_fits, head_module.LAYER_IN_ONE_CALL, cpukernel.BF16_DRAFTS = paths[path]
+            (head_module._kernel_fits, head_module.LAYER_IN_ONE_CALL, cpukernel.LOW_PRECISION_DRAFTS,
+             cpukernel.INT8_DRAFTS) = paths[path]
             for name, fn in jobs.items():
                 fn()  # warm-up
                 for _ in range(args.repeats):
@@ -92,17 +96,18 @@ def main() -> None:
                     t0 = time.perf_counter()
                     fn()
                     times[(path, name)].append((time.perf_counter() - t0) * 1e3)
-        head_module._kernel_fits, head_module.LAYER_IN_ONE_CALL, cpukernel.BF16_DRAFTS = stock_fits, True, True
+        (head_module._kernel_fits, head_module.LAYER_IN_ONE_CALL, cpukernel.LOW_PRECISION_DRAFTS,
+         cpukernel.INT8_DRAFTS) = stock_fits, True, True, True
         target_ms.append(pass_ms(dec, text, args.context, [1], args.repeats, fast=True)[1])
     step = statistics.median(target_ms)
     print(f"threads {torch.get_num_threads()}, context {args.context}; median ms over {args.rounds} x {args.repeats}"
           + ("; caches flushed before each call" if args.cold else "")
-          + f"; bfloat16 head weights on AMX tiles: {cpukernel.amx_on()}")
+          + f"; head weights on AMX tiles: {cpukernel.amx_on()}, in int8: {bool(cpukernel.library().screen_tiles())}")
     print("| drafting | " + " | ".join(paths) + " |")
     print("|---" * (len(paths) + 1) + "|")
     for name in jobs:
         print(f"| {name} | " + " | ".join(f"{statistics.median(times[(p, name)]):.2f}" for p in paths) + " |")
-    c_step = statistics.median(times[("layer in one C call", "one head step")])
+    c_step = statistics.median(times[("as decoding drafts", "one head step")])
     print(f"target step (one token, fast path): {step:.1f} ms; one head step / target step: {c_step / step:.3f}")
 
 

@@ -211,10 +211,11 @@ static inline void store_block(float *Y, const float *acc, const float *B, int64
    the group 16 bytes, byte j holding output j's q in its low four bits and output 16 + j's in its high four. The
    address of such a weight is tagged with its lowest bit set. */
 #define QG (128 + 32 * 16)
-static inline int is_q4(const float *P) { return ((uintptr_t)P & 3) == 1; }
-/* the bytes of a weight at tagged address P (any layout but float32's, whose tag is 0) */
+static inline int is_q4(const float *P) { return ((uintptr_t)P & 7) == 1; }
+/* the bytes of a weight at tagged address P (any layout but float32's, whose tag is 0; layouts are 64-byte aligned,
+   so the three lowest bits are free for tags) */
 static inline const unsigned char *untag(const float *P) {
-    return (const unsigned char *)((uintptr_t)P & ~(uintptr_t)3);
+    return (const unsigned char *)((uintptr_t)P & ~(uintptr_t)7);
 }
 /* block b of the Q4_1 weight at tagged address P */
 static inline const unsigned char *q4_block(const float *P, int64_t b, int64_t in_f) {
@@ -240,9 +241,16 @@ static inline void prefetch_group(const unsigned char *ahead, int64_t g, int byt
 #else
 #define AMX_OK 0
 #endif
-static inline int is_bf16(const float *P) { return ((uintptr_t)P & 3) == 3; }
-static inline int on_tiles(const float *P) { return ((uintptr_t)P & 3) >= 2; }
-static inline int is_float(const float *P) { return ((uintptr_t)P & 3) == 0; }
+static inline int is_bf16(const float *P) { return ((uintptr_t)P & 7) == 3; }
+static inline int on_tiles(const float *P) { return ((uintptr_t)P & 7) == 2 || ((uintptr_t)P & 7) == 3; }
+static inline int is_float(const float *P) { return ((uintptr_t)P & 7) == 0; }
+/* int8 weights with a scale per output, multiplied as the greedy screen multiplies (`i8_linear`): tag 4 */
+static inline int is_i8(const float *P) { return ((uintptr_t)P & 7) == 4; }
+static void i8_linear(const float *P, const float *X, const float *B, float *Y, int64_t lo, int64_t hi,
+                      int64_t out_f, int64_t in_f, int64_t M);
+static void i8_gated(const float *G, const float *U, const float *X, float *Y, int64_t out_f, int64_t in_f,
+                     int64_t M, int nthreads);
+static void i8_one_block(const float *P, int64_t b, const float *X, int64_t in_f, int R, float *acc);
 #if AMX_OK
 typedef struct { uint16_t *XS; float *S, *acc; int64_t M, Mp, in_f; int R; } amx_rows;
 static amx_rows amx_prepare(const float *X, int64_t M, int64_t in_f);
@@ -375,6 +383,10 @@ static void q4_many(const unsigned char *Q, const float *X, int64_t in_f, int64_
 /* rows m0 .. m0 + R - 1 of X against block b of weight P (either layout) into acc; `next`: block b + 1 exists */
 static inline void block_tile(const float *P, int64_t b, int next, const float *X, int64_t in_f, int R, float *acc,
                               int t, int T) {
+    if (is_i8(P)) {  /* a gate or up weight whose partner is not in int8 */
+        i8_one_block(P, b, X, in_f, R, acc);
+        return;
+    }
 #if AMX_OK
     if (on_tiles(P)) {  /* a gate or up weight whose partner is not on tiles */
         const amx_rows a = amx_prepare(X, R, in_f);
@@ -396,6 +408,10 @@ static inline void block_tile(const float *P, int64_t b, int next, const float *
 static void linear_blocks(const float *P, const float *X, const float *B, float *Y,
                           int64_t lo, int64_t hi, int64_t out_f, int64_t in_f, int64_t M) {
     float acc[RMAX * NB];
+    if (is_i8(P)) {
+        i8_linear(P, X, B, Y, lo, hi, out_f, in_f, M);
+        return;
+    }
 #if AMX_OK
     if (on_tiles(P)) {
         amx_linear(P, X, B, Y, lo, hi, out_f, in_f, M);
@@ -626,10 +642,10 @@ static void amx_block(const unsigned char *Q, const amx_rows *a, float *acc, con
     }
 }
 
-/* Weights kept in bfloat16 (an EAGLE head's, when drafting: `bf16_drafts`): for each group of 32 inputs of a block,
-   two 1 KB tiles (16 pairs of inputs x 16 outputs x 2), loaded as they are. The inputs keep their three exact parts,
-   and every group's products go into the same sums, so the only rounding beyond float32 sums is the weights'. The
-   address of such a weight is tagged with its two lowest bits set. */
+/* Weights kept in bfloat16 (an EAGLE head's, when drafting without AMX-INT8: `draft_precision`): for each group of 32
+   inputs of a block, two 1 KB tiles (16 pairs of inputs x 16 outputs x 2), loaded as they are. The inputs keep their
+   three exact parts, and every group's products go into the same sums, so the only rounding beyond float32 sums is
+   the weights'. The address of such a weight is tagged 3. */
 #define BG 2048  /* bytes per group of a block */
 static void bf16_block(const unsigned char *W, const amx_rows *a, float *acc, const unsigned char *ahead) {
     float C[2][16 * 16] __attribute__((aligned(64)));
@@ -705,6 +721,10 @@ int amx_enable(void) { return 0; }
 
 static void gated_chunk(const float *G, const float *U, const float *X, float *Y, int64_t out_f, int64_t in_f,
                         int64_t M, int nthreads) {
+    if (is_i8(G) && is_i8(U)) {
+        i8_gated(G, U, X, Y, out_f, in_f, M, nthreads);
+        return;
+    }
 #if AMX_OK
     if (on_tiles(G) && on_tiles(U)) {
         amx_gated(G, U, X, Y, out_f, in_f, M, nthreads);
@@ -1316,6 +1336,112 @@ static const quad_fn QUADS[5] = {0, quad1, quad2, quad3, quad4};
 /* whether screen_argmax can read Q in the tiles' layout (address tagged 2) */
 int screen_tiles(void) { return SCREEN_TILES; }
 
+/* Weights in int8 with one scale per output (an EAGLE head's while it drafts: `int8_drafts`), multiplied as the
+   screen multiplies: each input row rounded to int16 (x = sx xq + e, |e| <= sx / 2, sx = max |x| / kq) and split into
+   two bytes, the integer sums exact, then y = s[o] (sx (q . xq)) + bias. Layout of block b: the screen tiles' int8
+   weights ([in_p / 64][2][16][64] bytes, in_p the inputs rounded up to 64), then the block's 32 scales (float32);
+   the address is tagged 4. A draft only has to be likely: this reads a quarter of float32's bytes. */
+#if SCREEN_TILES
+typedef struct { int8_t *XH; uint8_t *XL; int32_t *HS; float *sx; int64_t in_p; } i8_rows;
+static void *i8_buffer(size_t n) {  /* this thread's, apart from amx_buffer's */
+    static __thread void *buf;
+    static __thread size_t cap;
+    if (n > cap) {
+        free(buf);
+        cap = (n + 4095) / 4096 * 4096;
+        buf = aligned_alloc(64, cap);
+    }
+    return buf;
+}
+static i8_rows i8_prepare(const float *X, int64_t M, int64_t in_f) {
+    i8_rows a;
+    a.in_p = (in_f + 63) / 64 * 64;
+    char *buf = i8_buffer((size_t)M * (2 * a.in_p + 8));
+    a.XH = (int8_t *)buf, a.XL = (uint8_t *)(buf + M * a.in_p), a.HS = (int32_t *)(buf + 2 * M * a.in_p);
+    a.sx = (float *)(a.HS + M);
+    const int64_t lim = (INT32_MAX / 127) / a.in_p;
+    const float kq = (float)(lim < 16383 ? lim : 16383);  /* no int32 sum can overflow */
+    amx_rows_loaded = 0;  /* loaded again in each call, as amx_prepare says */
+    for (int64_t m = 0; m < M; m++) {
+        const float *x = X + m * in_f;
+        float mx = 0.0f;
+        for (int64_t i = 0; i < in_f; i++) mx = fabsf(x[i]) > mx ? fabsf(x[i]) : mx;
+        a.sx[m] = mx > 0.0f && isfinite(mx) ? mx / kq : 1.0f;
+        a.HS[m] = 0;
+        for (int64_t i = 0; i < a.in_p; i++) {
+            const int v = i < in_f ? (int)fminf(fmaxf(nearbyintf(x[i] / a.sx[m]), -kq), kq) : 0;
+            a.XH[m * a.in_p + i] = (int8_t)(v >> 8);
+            a.XL[m * a.in_p + i] = (uint8_t)(v & 255);
+            a.HS[m] += v >> 8;
+        }
+    }
+    return a;
+}
+/* acc [R][NB]: rows r0 .. r0 + R - 1 (R <= 16) of a against block W (its scales after it), scaled */
+static void i8_block(const int8_t *W, const i8_rows *a, int64_t r0, int R, float *acc, const int8_t *ahead) {
+    const int64_t in_p = a->in_p;
+    if (R <= QUAD_ROWS)
+        QUADS[R](W, a->XH + r0 * in_p, a->XL + r0 * in_p, a->HS + r0, in_p, acc, ahead);
+    else
+        screen_tile(W, a->XH + r0 * in_p, a->XL + r0 * in_p, in_p, R, acc, ahead);
+    const float *scale = (const float *)(W + in_p * NB);
+    for (int r = 0; r < R; r++)
+        for (int o = 0; o < NB; o++) acc[r * NB + o] = scale[o] * (a->sx[r0 + r] * acc[r * NB + o]);
+}
+static inline const int8_t *i8_at(const float *P, int64_t b, int64_t in_p) {
+    return (const int8_t *)untag(P) + b * (in_p * NB + NB * (int64_t)sizeof(float));
+}
+static void i8_linear(const float *P, const float *X, const float *B, float *Y, int64_t lo, int64_t hi,
+                      int64_t out_f, int64_t in_f, int64_t M) {
+    const i8_rows a = i8_prepare(X, M, in_f);
+    float acc[16 * NB];
+    for (int64_t b = lo; b < hi; b++)
+        for (int64_t r0 = 0; r0 < M; r0 += 16) {
+            const int R = M - r0 < 16 ? (int)(M - r0) : 16;
+            i8_block(i8_at(P, b, a.in_p), &a, r0, R, acc, r0 == 0 && b + 1 < hi ? i8_at(P, b + 1, a.in_p) : 0);
+            store_block(Y, acc, B, b, out_f, r0, R);
+        }
+}
+static void i8_gated(const float *G, const float *U, const float *X, float *Y, int64_t out_f, int64_t in_f,
+                     int64_t M, int nthreads) {
+    const int64_t nblk = (out_f + NB - 1) / NB;
+    #pragma omp parallel num_threads(nthreads)
+    {
+        int64_t lo, hi;
+        share(nblk, &lo, &hi);
+        const i8_rows a = i8_prepare(X, M, in_f);
+        float g[16 * NB], u[16 * NB];
+        for (int64_t b = lo; b < hi; b++)
+            for (int64_t r0 = 0; r0 < M; r0 += 16) {
+                const int R = M - r0 < 16 ? (int)(M - r0) : 16, first = r0 == 0 && b + 1 < hi;
+                i8_block(i8_at(G, b, a.in_p), &a, r0, R, g, first ? i8_at(G, b + 1, a.in_p) : 0);
+                i8_block(i8_at(U, b, a.in_p), &a, r0, R, u, first ? i8_at(U, b + 1, a.in_p) : 0);
+                store_gated(Y, g, u, out_f, b * NB, out_f - b * NB < NB ? out_f - b * NB : NB, r0, R);
+            }
+    }
+}
+static void i8_one_block(const float *P, int64_t b, const float *X, int64_t in_f, int R, float *acc) {
+    const i8_rows a = i8_prepare(X, R, in_f);
+    i8_block(i8_at(P, b, a.in_p), &a, 0, R, acc, 0);
+}
+#else  /* never tagged 4 here (Python asks `screen_tiles` first): NaNs, not silent zeros, if it were */
+static void i8_fail(float *Y, int64_t n) { for (int64_t i = 0; i < n; i++) Y[i] = NAN; }
+static void i8_linear(const float *P, const float *X, const float *B, float *Y, int64_t lo, int64_t hi,
+                      int64_t out_f, int64_t in_f, int64_t M) {
+    (void)P, (void)X, (void)B, (void)lo, (void)hi, (void)in_f;
+    i8_fail(Y, M * out_f);
+}
+static void i8_gated(const float *G, const float *U, const float *X, float *Y, int64_t out_f, int64_t in_f,
+                     int64_t M, int nthreads) {
+    (void)G, (void)U, (void)X, (void)in_f, (void)nthreads;
+    i8_fail(Y, M * out_f);
+}
+static void i8_one_block(const float *P, int64_t b, const float *X, int64_t in_f, int R, float *acc) {
+    (void)P, (void)b, (void)X, (void)in_f;
+    i8_fail(acc, R * NB);
+}
+#endif
+
 /* the kernel's sum for one output: tile()'s lane, one multiply-add per input in order from 0 */
 #if defined(__FMA__) || defined(__AVX512F__)  /* maddw and madd fuse exactly then */
 #define KERNEL_MADD(a, w, x) fmaf(w, x, a)
@@ -1616,8 +1742,11 @@ Q4_1 = not os.environ.get("EAGLE_NO_Q4")
 # multiply those codes on AMX tiles where the CPU and the kernel have them (float32 accuracy, other bits than the
 # float32 path's); EAGLE_NO_AMX=1 keeps the FMA path, which gives the float32 weights' bits
 AMX = not os.environ.get("EAGLE_NO_AMX")
-# multiply the weights `bf16_drafts` marks (an EAGLE head's, while drafting) in bfloat16 on AMX tiles
-BF16_DRAFTS = True
+# multiply the weights `draft_precision` marks (an EAGLE head's, while drafting) on AMX tiles in bfloat16, or where
+# the CPU has AMX-INT8 in int8 with a scale per output (`pack_i8`: a quarter of float32's bytes; EAGLE_BF16_DRAFTS=1
+# keeps bfloat16)
+LOW_PRECISION_DRAFTS = True
+INT8_DRAFTS = not os.environ.get("EAGLE_BF16_DRAFTS")
 
 
 def pack(weight: torch.Tensor, pairs: bool = False) -> torch.Tensor:
@@ -1729,26 +1858,47 @@ def pack_bf16(weight: torch.Tensor) -> torch.Tensor:
     return w.reshape(nb, 2, 16, ng, 16, 2).permute(0, 3, 1, 4, 2, 5).contiguous()
 
 
-def bf16_drafts(weights: list[torch.Tensor], on: bool = True) -> None:
-    """Mark (or unmark) `weights` to be multiplied in bfloat16 on AMX tiles where `packed` can (`amx_on`,
-    `BF16_DRAFTS`) and no gradient is being recorded: an EAGLE head's while it drafts. A draft only has to be
-    likely, not exact (the target checks every token), and this halves the bytes a head step reads."""
+def draft_precision(weights: list[torch.Tensor], on: bool = True) -> None:
+    """Mark (or unmark) `weights` to be multiplied in low precision where `packed` can (`amx_on`,
+    `LOW_PRECISION_DRAFTS`) and no gradient is being recorded: an EAGLE head's while it drafts. In int8 with a scale
+    per output where the CPU has AMX-INT8 (`INT8_DRAFTS`), else in bfloat16. A draft only has to be likely, not exact
+    (the target checks every token), and this reads a quarter (a half) of float32's bytes; measured, the acceptance
+    stays (BENCHMARKS.md)."""
     for w in weights:
         if on:
-            w.__dict__["_eagle_bf16"] = True
+            w.__dict__["_eagle_draft"] = True
         else:
-            w.__dict__.pop("_eagle_bf16", None)
+            w.__dict__.pop("_eagle_draft", None)
 
 
-def in_bf16(weight: torch.Tensor) -> bool:
-    """Whether `packed` gives `weight` in bfloat16 on AMX tiles now (`bf16_drafts`)."""
-    return (BF16_DRAFTS and "_eagle_bf16" in weight.__dict__ and not torch.is_grad_enabled() and supports(weight)
-            and amx_on())
+def in_draft_precision(weight: torch.Tensor) -> bool:
+    """Whether `packed` gives `weight` in low precision now (`draft_precision`)."""
+    return (LOW_PRECISION_DRAFTS and "_eagle_draft" in weight.__dict__ and not torch.is_grad_enabled()
+            and supports(weight) and amx_on())
 
 
 def _pack_bf16(weight: torch.Tensor) -> tuple[torch.Tensor, int]:
     layout = pack_bf16(weight)
     return layout, layout.data_ptr() | 3
+
+
+def pack_i8(weight: torch.Tensor) -> torch.Tensor:
+    """The int8 draft layout of a weight [out, in] (`i8_linear` in the C source): q = round(w / s) with s = max |w| /
+    127 per output, laid out as `pack_screen_tiles` lays the screen's, each block of 32 outputs followed by its 32
+    scales (float32): [ceil(out / PACK), in_p * 32 + 128] bytes."""
+    w = weight.detach().float()
+    s = w.abs().amax(1) / 127
+    s = torch.where(s > 0, s, torch.ones_like(s))
+    q = torch.round(w / s[:, None]).clamp(-127, 127).to(torch.int8)
+    tiles = pack_screen_tiles(q)
+    nb = tiles.shape[0]
+    scales = torch.nn.functional.pad(s, (0, nb * PACK - s.shape[0]), value=1.0).view(nb, PACK)
+    return torch.cat([tiles.view(nb, -1), scales.view(torch.int8)], dim=1).contiguous()
+
+
+def _pack_i8(weight: torch.Tensor) -> tuple[torch.Tensor, int]:
+    layout = pack_i8(weight)
+    return layout, layout.data_ptr() | 4
 
 
 def _pack_any(weight: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -1788,8 +1938,11 @@ def packed(weight: torch.Tensor) -> int:
     weight; on the FMA path decoded to the same float32 values, so every product keeps its bits; on AMX tiles
     (`amx_on`) summed in another order with float32 accuracy), else `pack`'s float32 copy (twice the weight's memory).
     Each setting of `Q4_1` and `AMX` keeps its own copy, so a benchmark can switch between them. A weight
-    `bf16_drafts` marked is read in bfloat16 instead where `in_bf16` says so."""
-    if in_bf16(weight):
+    `draft_precision` marked is read in int8 (`pack_i8`, tag 4) or bfloat16 (`pack_bf16`, tag 3) instead where
+    `in_draft_precision` says so."""
+    if in_draft_precision(weight):
+        if INT8_DRAFTS and (_lib or library()).screen_tiles():
+            return _kept(weight, "_eagle_packed_i8", _pack_i8)[1]
         return _kept(weight, "_eagle_packed_bf16", _pack_bf16)[1]
     amx = amx_on()
     name = ("_eagle_packed_amx" if amx else "_eagle_packed_q4") if Q4_1 else "_eagle_packed"
@@ -1802,6 +1955,7 @@ def unpack(weight: torch.Tensor) -> None:
     weight.__dict__.pop("_eagle_packed_q4", None)
     weight.__dict__.pop("_eagle_packed_amx", None)
     weight.__dict__.pop("_eagle_packed_bf16", None)
+    weight.__dict__.pop("_eagle_packed_i8", None)
     weight.__dict__.pop("_eagle_screen", None)
 
 

@@ -280,7 +280,7 @@ def _fast_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     if _wants_grad(x, w):
         return _grad_linear(self, x, w, self.bias)
     layout = self._fast_by_rows[_row_index(x)]  # layouts checked to fit when patched
-    if layout != "kernel" and cpukernel.in_bf16(w):  # the plan measured float32; in bfloat16 tiles read half
+    if layout != "kernel" and cpukernel.in_draft_precision(w):  # the plan measured float32; drafts read less
         layout = "kernel"
     return _apply(x, w, self.bias, layout)
 

@@ -147,10 +147,10 @@ class SpeculativeDecoder:
         self._screen = on and screen_fits(self.target)
         if self._screen:
             cpukernel.screen_tables(lm.weight)  # made now (~1 s for SmolLM2), not in the first timed token
-        if self.head is not None:  # the head's own products in bfloat16 where AMX tiles take them (not the target's)
-            shared = {id(p) for p in self.target.model.parameters()}
-            cpukernel.bf16_drafts([m.weight for m in self.head.modules() if isinstance(m, torch.nn.Linear)
-                                   and id(m.weight) not in shared], on)
+        if self.head is not None:  # the head's own products in int8 / bfloat16 where AMX tiles take them (not the
+            shared = {id(p) for p in self.target.model.parameters()}  # target's)
+            cpukernel.draft_precision([m.weight for m in self.head.modules() if isinstance(m, torch.nn.Linear)
+                                       and id(m.weight) not in shared], on)
         draft_model = getattr(self.proposer, "model", None)  # a ModelProposer's small LM
         for model in (self.target.model, self.head, None if draft_model is None else draft_model.model):
             if model is None:

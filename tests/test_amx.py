@@ -22,7 +22,7 @@ def test_amx_products_keep_each_rows_bits_with_float32_accuracy():
     g = torch.Generator().manual_seed(3)
     w, b = cpukernel.q4_1_weight(100, 96, g), torch.randn(100, generator=g)
     gate, up, plain_up = cpukernel.q4_1_weight(96, 64, g), cpukernel.q4_1_weight(96, 64, g), torch.randn(96, 64)
-    assert cpukernel.packed(w) & 3 == 2 and cpukernel.packed(plain_up) & 3 == 0
+    assert cpukernel.packed(w) & 7 == 2 and cpukernel.packed(plain_up) & 7 == 0
     x, xg = torch.randn(300, 96, generator=g), torch.randn(300, 64, generator=g)
     exact = x.double() @ w.double().T + b.double()
     silu = torch.nn.functional.silu
@@ -38,27 +38,64 @@ def test_amx_products_keep_each_rows_bits_with_float32_accuracy():
         assert all(torch.equal(a, c[lo:hi]) for a, c in zip(part, whole))
 
 
-def test_bf16_products_keep_each_rows_bits_and_need_the_mark_and_no_gradients():
+def test_bf16_products_keep_each_rows_bits_and_need_the_mark_and_no_gradients(monkeypatch):
+    monkeypatch.setattr(cpukernel, "INT8_DRAFTS", False)  # marked weights in bfloat16 (int8: the next test)
     g = torch.Generator().manual_seed(4)
     w, b = torch.randn(100, 96, generator=g) * 0.05, torch.randn(100, generator=g)
     gate, up = torch.randn(96, 64, generator=g) * 0.1, torch.randn(96, 64, generator=g) * 0.1
     x, xg = torch.randn(300, 96, generator=g), torch.randn(300, 64, generator=g)
-    assert cpukernel.packed(w) & 3 == 0  # not marked: float32
-    cpukernel.bf16_drafts([w, gate, up])
-    assert cpukernel.packed(w) & 3 == 0  # marked, but gradients are being recorded: float32
+    assert cpukernel.packed(w) & 7 == 0  # not marked: float32
+    cpukernel.draft_precision([w, gate, up])
+    assert cpukernel.packed(w) & 7 == 0  # marked, but gradients are being recorded: float32
     wb, gb, ub = (t.to(torch.bfloat16).double() for t in (w, gate, up))  # the only rounding: the weights'
     exact = x.double() @ wb.T + b.double()
     exact_g = torch.nn.functional.silu(xg.double() @ gb.T) * (xg.double() @ ub.T)
     with torch.no_grad():
-        assert cpukernel.packed(w) & 3 == 3
+        assert cpukernel.packed(w) & 7 == 3
         whole = [cpukernel.rows_linear(x, w, b), cpukernel.rows_gated(xg, gate, up)]
         for got, want in zip(whole, (exact, exact_g)):
             assert ((got.double() - want).abs().max() / want.abs().max()).item() < 2e-6
         for lo, hi in ((0, 1), (7, 8), (5, 21), (40, 297)):
             part = [cpukernel.rows_linear(x[lo:hi], w, b), cpukernel.rows_gated(xg[lo:hi], gate, up)]
             assert all(torch.equal(a, c[lo:hi]) for a, c in zip(part, whole))
-        cpukernel.bf16_drafts([w], on=False)
-        assert cpukernel.packed(w) & 3 == 0
+        cpukernel.draft_precision([w], on=False)
+        assert cpukernel.packed(w) & 7 == 0
+
+
+@pytest.mark.skipif(not (cpukernel.available() and cpukernel.library().screen_tiles()), reason="no AMX-INT8 here")
+def test_int8_draft_products_are_the_rounded_weights_and_inputs_exactly_and_keep_each_rows_bits():
+    # marked weights (a head's while drafting) in int8 with a scale per output; each input row rounded to int16 with
+    # its own scale; integer sums exact, so the result is the float64 product of the two roundings to float32's
+    # accuracy, and a row gets the same bits at any row count
+    g = torch.Generator().manual_seed(6)
+    w, b = torch.randn(100, 96, generator=g) * 0.05, torch.randn(100, generator=g)
+    gate, up = torch.randn(96, 64, generator=g) * 0.1, torch.randn(96, 64, generator=g) * 0.1
+    x, xg = torch.randn(40, 96, generator=g), torch.randn(40, 64, generator=g)
+    x[3] = 0.0  # a zero row
+
+    def rounded(t):  # as pack_i8 rounds a weight
+        s = t.abs().amax(1) / 127
+        return (torch.round(t / s[:, None]).clamp(-127, 127) * s[:, None]).double()
+
+    def rounded_rows(t):  # as the kernel rounds input rows: int16 with the largest |x| at kq
+        kq = min(16383, (2 ** 31 - 1) // 127 // (-(-t.shape[1] // 64) * 64))
+        sx = t.abs().amax(1) / kq
+        sx = torch.where(sx > 0, sx, torch.ones_like(sx))
+        return (torch.round(t / sx[:, None]).clamp(-kq, kq) * sx[:, None]).double()
+
+    exact = rounded_rows(x) @ rounded(w).T + b.double()
+    silu = torch.nn.functional.silu
+    exact_g = silu(rounded_rows(xg) @ rounded(gate).T) * (rounded_rows(xg) @ rounded(up).T)
+    cpukernel.draft_precision([w, gate, up])
+    with torch.no_grad():
+        assert cpukernel.packed(w) & 7 == 4
+        whole = [cpukernel.rows_linear(x, w, b), cpukernel.rows_gated(xg, gate, up)]
+        for got, want in zip(whole, (exact, exact_g)):
+            assert ((got.double() - want).abs().max() / want.abs().max()).item() < 2e-6
+        for lo, hi in ((0, 1), (7, 8), (0, 3), (4, 8), (5, 21), (3, 40)):  # byte products up to 4 rows, tiles beyond
+            part = [cpukernel.rows_linear(x[lo:hi], w, b), cpukernel.rows_gated(xg[lo:hi], gate, up)]
+            assert all(torch.equal(a, c[lo:hi]) for a, c in zip(part, whole))
+    cpukernel.draft_precision([w, gate, up], on=False)
 
 
 def test_a_heads_own_weights_draft_in_bf16_and_decoding_stays_lossless():
@@ -69,13 +106,13 @@ def test_a_heads_own_weights_draft_in_bf16_and_decoding_stays_lossless():
     greedy = dec.generate(prompt, max_new_tokens=24, speculative=False).token_ids
     assert dec.generate(prompt, max_new_tokens=24, num_speculative_tokens=3).token_ids == greedy
     own = [m.weight for m in head.modules() if isinstance(m, torch.nn.Linear) and m.weight is not target.lm_head.weight]
-    assert own and not any(cpukernel.in_bf16(w) for w in own)  # gradients are recorded out here
+    assert own and not any(cpukernel.in_draft_precision(w) for w in own)  # gradients are recorded out here
     with torch.no_grad():
-        assert all(cpukernel.in_bf16(w) for w in own)
-        assert not any(cpukernel.in_bf16(p) for p in target.model.parameters())
+        assert all(cpukernel.in_draft_precision(w) for w in own)
+        assert not any(cpukernel.in_draft_precision(p) for p in target.model.parameters())
     dec.use_fast_path(False)
     with torch.no_grad():
-        assert not any(cpukernel.in_bf16(w) for w in own)
+        assert not any(cpukernel.in_draft_precision(w) for w in own)
 
 
 def test_tile_products_survive_other_amx_users_on_the_same_thread():
