@@ -549,17 +549,19 @@ static inline void amx_decode(const unsigned char *C, uint16_t *T) {
     }
 }
 
-/* this thread's buffer of at least n bytes (grown, never shrunk) */
-static void *amx_buffer(size_t n) {
-    static __thread void *buf;
-    static __thread size_t cap;
-    if (n > cap) {
-        free(buf);
-        cap = (n + 4095) / 4096 * 4096;
-        buf = aligned_alloc(64, cap);
+/* this thread's buffer `slot` (0: amx_prepare's and the screen's, 1: i8_prepare's) of at least n bytes (grown,
+   never shrunk) */
+static void *thread_buffer(int slot, size_t n) {
+    static __thread void *buf[2];
+    static __thread size_t cap[2];
+    if (n > cap[slot]) {
+        free(buf[slot]);
+        cap[slot] = (n + 4095) / 4096 * 4096;
+        buf[slot] = aligned_alloc(64, cap[slot]);
     }
-    return buf;
+    return buf[slot];
 }
+static void *amx_buffer(size_t n) { return thread_buffer(0, n); }
 
 /* M input rows made ready for tile products: XS [3][Mp][in] their bfloat16 parts (rows past M zero), S [M][in /
    32] each group's float32 sum (in order), acc [Mp][NB] room for one block's sums; tiles of R rows */
@@ -1343,20 +1345,10 @@ int screen_tiles(void) { return SCREEN_TILES; }
    the address is tagged 4. A draft only has to be likely: this reads a quarter of float32's bytes. */
 #if SCREEN_TILES
 typedef struct { int8_t *XH; uint8_t *XL; int32_t *HS; float *sx; int64_t in_p; } i8_rows;
-static void *i8_buffer(size_t n) {  /* this thread's, apart from amx_buffer's */
-    static __thread void *buf;
-    static __thread size_t cap;
-    if (n > cap) {
-        free(buf);
-        cap = (n + 4095) / 4096 * 4096;
-        buf = aligned_alloc(64, cap);
-    }
-    return buf;
-}
 static i8_rows i8_prepare(const float *X, int64_t M, int64_t in_f) {
     i8_rows a;
     a.in_p = (in_f + 63) / 64 * 64;
-    char *buf = i8_buffer((size_t)M * (2 * a.in_p + 8));
+    char *buf = thread_buffer(1, (size_t)M * (2 * a.in_p + 8));
     a.XH = (int8_t *)buf, a.XL = (uint8_t *)(buf + M * a.in_p), a.HS = (int32_t *)(buf + 2 * M * a.in_p);
     a.sx = (float *)(a.HS + M);
     const int64_t lim = (INT32_MAX / 127) / a.in_p;
