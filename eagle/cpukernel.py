@@ -1338,6 +1338,29 @@ static const quad_fn QUADS[5] = {0, quad1, quad2, quad3, quad4};
 /* whether screen_argmax can read Q in the tiles' layout (address tagged 2) */
 int screen_tiles(void) { return SCREEN_TILES; }
 
+/* x [in_f] rounded to int16 as the screen rounds it: xq = round(x / sx) within +-kq, sx = max |x| / kq (1 for a
+   zero or non-finite row); returns sx */
+static float round_row(const float *x, int64_t in_f, int64_t kq, int16_t *xq) {
+    float mx = 0.0f;
+    for (int64_t i = 0; i < in_f; i++) mx = fabsf(x[i]) > mx ? fabsf(x[i]) : mx;
+    const float sx = mx > 0.0f && isfinite(mx) ? mx / (float)kq : 1.0f;
+    for (int64_t i = 0; i < in_f; i++) xq[i] = (int16_t)fminf(fmaxf(nearbyintf(x[i] / sx), (float)-kq), (float)kq);
+    return sx;
+}
+#if SCREEN_TILES
+/* the high (signed) and low (unsigned) bytes of xq [in_f], zeros up to in_p; returns the sum of the high bytes */
+static int32_t split_row(const int16_t *xq, int64_t in_f, int64_t in_p, int8_t *XH, uint8_t *XL) {
+    int32_t h = 0;
+    for (int64_t i = 0; i < in_p; i++) {
+        const int v = i < in_f ? xq[i] : 0;
+        XH[i] = (int8_t)(v >> 8);
+        XL[i] = (uint8_t)(v & 255);
+        h += v >> 8;
+    }
+    return h;
+}
+#endif
+
 /* Weights in int8 with one scale per output (an EAGLE head's while it drafts: `int8_drafts`), multiplied as the
    screen multiplies: each input row rounded to int16 (x = sx xq + e, |e| <= sx / 2, sx = max |x| / kq) and split into
    two bytes, the integer sums exact, then y = s[o] (sx (q . xq)) + bias. Layout of block b: the screen tiles' int8
@@ -1348,24 +1371,15 @@ typedef struct { int8_t *XH; uint8_t *XL; int32_t *HS; float *sx; int64_t in_p; 
 static i8_rows i8_prepare(const float *X, int64_t M, int64_t in_f) {
     i8_rows a;
     a.in_p = (in_f + 63) / 64 * 64;
-    char *buf = thread_buffer(1, (size_t)M * (2 * a.in_p + 8));
+    char *buf = thread_buffer(1, (size_t)M * (4 * a.in_p + 8));
     a.XH = (int8_t *)buf, a.XL = (uint8_t *)(buf + M * a.in_p), a.HS = (int32_t *)(buf + 2 * M * a.in_p);
     a.sx = (float *)(a.HS + M);
-    const int64_t lim = (INT32_MAX / 127) / a.in_p;
-    const float kq = (float)(lim < 16383 ? lim : 16383);  /* no int32 sum can overflow */
+    int16_t *xq = (int16_t *)(a.sx + M);  /* one row at a time */
+    const int64_t lim = (INT32_MAX / 127) / a.in_p, kq = lim < 16383 ? lim : 16383;  /* no int32 sum overflows */
     amx_rows_loaded = 0;  /* loaded again in each call, as amx_prepare says */
     for (int64_t m = 0; m < M; m++) {
-        const float *x = X + m * in_f;
-        float mx = 0.0f;
-        for (int64_t i = 0; i < in_f; i++) mx = fabsf(x[i]) > mx ? fabsf(x[i]) : mx;
-        a.sx[m] = mx > 0.0f && isfinite(mx) ? mx / kq : 1.0f;
-        a.HS[m] = 0;
-        for (int64_t i = 0; i < a.in_p; i++) {
-            const int v = i < in_f ? (int)fminf(fmaxf(nearbyintf(x[i] / a.sx[m]), -kq), kq) : 0;
-            a.XH[m * a.in_p + i] = (int8_t)(v >> 8);
-            a.XL[m * a.in_p + i] = (uint8_t)(v & 255);
-            a.HS[m] += v >> 8;
-        }
+        a.sx[m] = round_row(X + m * in_f, in_f, kq, xq);
+        a.HS[m] = split_row(xq, in_f, a.in_p, a.XH + m * a.in_p, a.XL + m * a.in_p);
     }
     return a;
 }
@@ -1502,26 +1516,15 @@ int64_t screen_argmax(const int8_t *Q, const float *S, const float *C, double n_
 #if SCREEN_PAIRS
         /* x = sx xq + d: |x . w - A| grows by at most |d| |s q| <= |d| n_max (n_max: the largest |s q| of a row) */
         const int64_t lim = (INT32_MAX / 127) / in_f, kq = lim < 16383 ? lim : 16383;
-        float mx = 0.0f;
-        for (int64_t i = 0; i < in_f; i++) mx = fabsf(x[i]) > mx ? fabsf(x[i]) : mx;
-        sx[m] = mx > 0.0f ? mx / (float)kq : 1.0f;
+        sx[m] = round_row(x, in_f, kq, Xq + m * in_f);
         double d = 0.0;
         for (int64_t i = 0; i < in_f; i++) {
-            const float r = fminf(fmaxf(nearbyintf(x[i] / sx[m]), (float)-kq), (float)kq);
-            Xq[m * in_f + i] = (int16_t)r;
-            d += ((double)x[i] - (double)sx[m] * r) * ((double)x[i] - (double)sx[m] * r);
+            const double e = (double)x[i] - (double)sx[m] * Xq[m * in_f + i];
+            d += e * e;
         }
         extra[m] += (float)(sqrt(d) * n_max * 1.001);
 #if SCREEN_TILES
-        if (XH) {
-            HS[m] = 0;
-            for (int64_t i = 0; i < in_p; i++) {
-                const int v = i < in_f ? Xq[m * in_f + i] : 0;
-                XH[m * in_p + i] = (int8_t)(v >> 8);
-                XL[m * in_p + i] = (uint8_t)(v & 255);
-                HS[m] += v >> 8;
-            }
-        }
+        if (XH) HS[m] = split_row(Xq + m * in_f, in_f, in_p, XH + m * in_p, XL + m * in_p);
 #endif
 #else
         (void)Xq; (void)n_max; (void)sx;

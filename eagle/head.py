@@ -130,23 +130,24 @@ class HeadCache:
             self.k[layer] = torch.cat([old_k[:, :, :start], k], dim=2)
             self.v[layer] = torch.cat([old_v[:, :, :start], v], dim=2)
             return self.k[layer], self.v[layer]
-        buf_k, buf_v = self.buffers(layer, k, start, end)
+        buf_k, buf_v = self.buffers(layer, k, k.shape[:2], k.shape[3], start, end)
         buf_k[:, :, start:end] = k
         buf_v[:, :, start:end] = v
         return buf_k[:, :, :end], buf_v[:, :, :end]
 
-    def buffers(self, layer: int, like: torch.Tensor, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The layer's key and value buffers [B, kv_heads, capacity >= end, D] (contiguous) for entries shaped as
-        `like` [B, kv_heads, T, D], grown (keeping the first `start` positions) where they are short."""
+    def buffers(self, layer: int, like: torch.Tensor, heads: tuple, head_dim: int, start: int,
+                end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's key and value buffers [B, kv_heads, capacity >= end, D] (contiguous; heads = (B, kv_heads),
+        dtype and device those of `like`), grown (keeping the first `start` positions) where they are short."""
         while len(self.k) <= layer:
             self.k.append(None)
             self.v.append(None)
         buf = self.k[layer]
-        if buf is None or buf.shape[2] < end or buf.shape[0] != like.shape[0]:
+        if buf is None or buf.shape[2] < end or buf.shape[0] != heads[0]:
             cap = max(256, 1 << math.ceil(math.log2(end)))
-            nk = like.new_zeros(like.shape[0], like.shape[1], cap, like.shape[3])
+            nk = like.new_zeros(*heads, cap, head_dim)
             nv = torch.zeros_like(nk)
-            if buf is not None and buf.shape[0] == like.shape[0]:
+            if buf is not None and buf.shape[0] == heads[0]:
                 nk[:, :, :start] = buf[:, :, :start]
                 nv[:, :, :start] = self.v[layer][:, :, :start]
             self.k[layer], self.v[layer] = nk, nv
@@ -248,7 +249,7 @@ class DecoderLayer(nn.Module):
         the cache's buffers in place."""
         attn, norm1, norm2, mlp = self.self_attn, self.input_layernorm, self.post_attention_layernorm, self.mlp
         T, past = x.shape[1], cache.length
-        k_buf, v_buf = cache.buffers(layer, x.new_empty(1, attn.nkv, T, attn.hd), past, past + T)
+        k_buf, v_buf = cache.buffers(layer, x, (1, attn.nkv), attn.hd, past, past + T)
         if mask is None and T > 1:
             mask = torch.ones(T, past + T, dtype=torch.bool).tril(past)
         if mask is not None:
