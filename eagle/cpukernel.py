@@ -491,13 +491,26 @@ void rows_gated(const float *G, const float *U, const float *X, float *Y,
         gated_chunk(G, U, X + c * in_f, Y + c * out_f, out_f, in_f, M - c < chunk ? M - c : chunk, nthreads);
 }
 
-/* Y[m0 + r, o0 + o] = silu(g[r, o]) * u[r, o] for r < R, o < n (g and u: R rows of NB sums) */
+static inline v8 vexp(v8 x);
+/* Y[m0 + r, o0 + o] = silu(g[r, o]) * u[r, o] for r < R, o < n (g and u: R rows of NB sums), 8 at a time:
+   silu(g) = g / (1 + exp(-g)) = (g >= 0 ? g : g e) / (1 + e) with e = exp(-|g|) <= 1 */
 static inline void store_gated(float *Y, const float *g, const float *u, int64_t out_f, int64_t o0, int64_t n,
                                int64_t m0, int64_t R) {
     for (int64_t r = 0; r < R; r++)
-        for (int64_t o = 0; o < n; o++) {
-            const float gv = g[r * NB + o];
-            Y[(m0 + r) * out_f + o0 + o] = gv / (1.0f + expf(-gv)) * u[r * NB + o];
+        for (int64_t o = 0; o < n; o += 8) {
+            const v8 gv = load8(g + r * NB + o), uv = load8(u + r * NB + o);
+#ifdef __AVX2__
+            const __m256 x = (__m256)gv, e = (__m256)vexp((v8)_mm256_or_ps(x, _mm256_set1_ps(-0.0f)));
+            const __m256 num = _mm256_blendv_ps(_mm256_mul_ps(x, e), x,
+                                                _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_GE_OQ));
+            const v8 y = (v8)_mm256_mul_ps(_mm256_div_ps(num, _mm256_add_ps(_mm256_set1_ps(1.0f), e)), (__m256)uv);
+#else
+            v8 na, y;
+            for (int l = 0; l < 8; l++) na[l] = -fabsf(gv[l]);
+            const v8 e = vexp(na);
+            for (int l = 0; l < 8; l++) y[l] = (gv[l] >= 0.0f ? gv[l] : gv[l] * e[l]) / (1.0f + e[l]) * uv[l];
+#endif
+            memcpy(Y + (m0 + r) * out_f + o0 + o, &y, sizeof(float) * (size_t)(n - o < 8 ? n - o : 8));
         }
 }
 
@@ -579,20 +592,23 @@ static amx_rows amx_prepare(const float *X, int64_t M, int64_t in_f) {
     a.XS = (uint16_t *)(a.acc + 2 * a.Mp * NB);
     a.S = (float *)(a.XS + 3 * a.Mp * in_f);
     for (int64_t r = 0; r < a.Mp; r++)
-        for (int64_t i = 0; i < in_f; i += 16) {
-            __m512 x = r < M ? _mm512_loadu_ps(X + r * in_f + i) : _mm512_setzero_ps();
-            for (int p = 0; p < 3; p++) {
-                const __m512i top = _mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32((int)0xFFFF0000u));
-                _mm256_storeu_si256((__m256i *)(a.XS + (p * a.Mp + r) * in_f + i),
-                                    _mm512_cvtepi32_epi16(_mm512_srli_epi32(top, 16)));
-                x = _mm512_sub_ps(x, _mm512_castsi512_ps(top));  /* exact: the bits below the top 16 */
-            }
-        }
-    for (int64_t r = 0; r < M; r++)
         for (int64_t g = 0; g < ng; g++) {
-            float s = 0.0f;
-            for (int k = 0; k < 32; k++) s += X[r * in_f + g * 32 + k];
-            a.S[r * ng + g] = s;
+            __m512 x[2];
+            for (int h = 0; h < 2; h++) {
+                x[h] = r < M ? _mm512_loadu_ps(X + r * in_f + 32 * g + 16 * h) : _mm512_setzero_ps();
+                for (int p = 0; p < 3; p++) {
+                    const __m512i top = _mm512_and_si512(_mm512_castps_si512(x[h]),
+                                                         _mm512_set1_epi32((int)0xFFFF0000u));
+                    _mm256_storeu_si256((__m256i *)(a.XS + (p * a.Mp + r) * in_f + 32 * g + 16 * h),
+                                        _mm512_cvtepi32_epi16(_mm512_srli_epi32(top, 16)));
+                    x[h] = _mm512_sub_ps(x[h], _mm512_castsi512_ps(top));  /* exact: the bits below the top 16 */
+                }
+            }
+            /* the group's sum: its two halves added lane by lane, then the lanes in a fixed tree (the same for
+               every row, so a row's sums do not depend on the row count) */
+            if (r < M)
+                a.S[r * ng + g] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_loadu_ps(X + r * in_f + 32 * g),
+                                                                     _mm512_loadu_ps(X + r * in_f + 32 * g + 16)));
         }
     return a;
 }
@@ -684,16 +700,20 @@ static void tile_block(const float *P, int64_t b, const amx_rows *a, float *acc,
 }
 
 #define AMX_PASS 256  /* input rows per pass of amx_linear */
+/* blocks lo .. hi - 1 of a weight on tiles against the rows of a, into rows c .. c + a->M - 1 of Y */
+static void amx_blocks(const float *P, const amx_rows *a, const float *B, float *Y, int64_t lo, int64_t hi,
+                       int64_t out_f, int64_t c) {
+    for (int64_t b = lo; b < hi; b++) {
+        tile_block(P, b, a, a->acc, b + 1 < hi);
+        store_block(Y, a->acc, B, b, out_f, c, (int)a->M);
+    }
+}
 /* linear_blocks for a weight on tiles */
 static void amx_linear(const float *P, const float *X, const float *B, float *Y, int64_t lo, int64_t hi,
                        int64_t out_f, int64_t in_f, int64_t M) {
     for (int64_t c = 0; c < M; c += AMX_PASS) {
-        const int64_t rows = M - c < AMX_PASS ? M - c : AMX_PASS;
-        const amx_rows a = amx_prepare(X + c * in_f, rows, in_f);
-        for (int64_t b = lo; b < hi; b++) {
-            tile_block(P, b, &a, a.acc, b + 1 < hi);
-            store_block(Y, a.acc, B, b, out_f, c, (int)rows);
-        }
+        const amx_rows a = amx_prepare(X + c * in_f, M - c < AMX_PASS ? M - c : AMX_PASS, in_f);
+        amx_blocks(P, &a, B, Y, lo, hi, out_f, c);
     }
 }
 
@@ -1072,11 +1092,25 @@ void attention_block(const float *X, int64_t M, int64_t hid,
     {   /* the q, k and v blocks in one list, split over the threads */
         int64_t lo, hi;
         share(bq + 2 * bk, &lo, &hi);
+#define FIRST(first) (lo > (first) ? lo : (first)) - (first)
+#define LAST(first, count) (hi < (first) + (count) ? hi : (first) + (count)) - (first)
+#if AMX_OK
+        if (M <= AMX_PASS && on_tiles(Wq) && on_tiles(Wk) && on_tiles(Wv)) {  /* the rows made ready once */
+            const amx_rows a = amx_prepare(X, M, hid);
 #define PART(P, B, Y, n, first, count) if (lo < (first) + (count) && hi > (first)) \
-            linear_blocks(P, X, B, Y, (lo > (first) ? lo : (first)) - (first), \
-                          (hi < (first) + (count) ? hi : (first) + (count)) - (first), n, hid, M);
-        PART(Wq, Bq, Q, nq, 0, bq) PART(Wk, Bk, Kn, nk, bq, bk) PART(Wv, Bv, Vn, nk, bq + bk, bk)
+            amx_blocks(P, &a, B, Y, FIRST(first), LAST(first, count), n, 0);
+            PART(Wq, Bq, Q, nq, 0, bq) PART(Wk, Bk, Kn, nk, bq, bk) PART(Wv, Bv, Vn, nk, bq + bk, bk)
 #undef PART
+        } else
+#endif
+        {
+#define PART(P, B, Y, n, first, count) if (lo < (first) + (count) && hi > (first)) \
+            linear_blocks(P, X, B, Y, FIRST(first), LAST(first, count), n, hid, M);
+            PART(Wq, Bq, Q, nq, 0, bq) PART(Wk, Bk, Kn, nk, bq, bk) PART(Wv, Bv, Vn, nk, bq + bk, bk)
+#undef PART
+        }
+#undef FIRST
+#undef LAST
     }
     rope(Q, cos, sin, 1, M, H, D, 0);
     rope(Kn, cos, sin, 1, M, Hkv, D, 0);
