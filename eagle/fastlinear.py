@@ -388,7 +388,7 @@ def _room(layer, m: int) -> int | None:
     for m more (the C calls write there in place), else None."""
     if type(layer) is not PreallocatedLayer or not layer.is_initialized or layer._k is None:
         return None
-    past = layer.keys.shape[-2]
+    past = layer.length
     return past if layer._k.shape[0] == 1 and layer._k.shape[2] >= past + m else None
 
 
@@ -522,7 +522,7 @@ def _plan_fused_attention(mod: nn.Module) -> None:
 
 LAYER_PARTS = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
 FUSED_ATTRS = ("_fast_eps", "_fused_rows", "_fused_dims", "_fused_params", "_fused_parts", "_fused_eps",
-               "_stack_rows", "_stack_dims", "_stack_table", "_stack_slots")
+               "_stack_rows", "_stack_dims", "_stack_table", "_stack_slots", "_rope_table")
 
 
 def _plan_fused_layer(mod: nn.Module) -> bool:
@@ -611,20 +611,26 @@ def _plan_stack(mod: nn.Module) -> bool:
     return True
 
 
-def _stack_table(mod: nn.Module, cache_layers: list) -> tuple:
+def _stack_table(mod: nn.Module, cache: DynamicCache) -> tuple:
     """(addresses [L, STACK_SLOTS], epsilons [L, 2], key strides [L]) for `cpukernel.decoder_stack`: the weights'
     part made again only when a weight changed in place or moved, or the Q4_1 switch changed (as
-    `cpukernel.packed` would)."""
+    `cpukernel.packed` would), the caches' part when their buffers moved. The weights are read once per cache (a
+    cache belongs to one set of weights): later passes with the same cache reuse the table while no buffer was made
+    since."""
+    switches = (cpukernel.Q4_1, cpukernel.amx_on())
+    kept = mod.__dict__.get("_stack_table")
+    mark = cache.__dict__.get("_stack_mark")
+    if mark is not None and mark[0] is kept and mark[1:] == (PreallocatedLayer.buffers_made, switches):
+        return kept[4][0], kept[2], kept[4][1]
     slots = mod.__dict__.get("_stack_slots")
     if slots is None:  # (parameter dict, name) of every weight: the modules' live dicts, so a replaced one is seen
         slots = mod._stack_slots = [(d, name) for layer in mod.layers for d, name in _stack_slots(layer)]
     weights = [d[name] for d, name in slots]
     try:
-        key = [cpukernel.Q4_1, cpukernel.amx_on(), *((w._version, w.data_ptr()) for w in weights)]
+        key = [*switches, *((w._version, w.data_ptr()) for w in weights)]
     except RuntimeError:  # inference-mode weights have no version counter; they cannot change outside that mode
-        key = [cpukernel.Q4_1, cpukernel.amx_on(), *(w.data_ptr() for w in weights)]
-    buffers = [p for c in cache_layers for p in (c._k.data_ptr(), c._v.data_ptr(), c._k.stride(1))]
-    kept = mod.__dict__.get("_stack_table")
+        key = [*switches, *(w.data_ptr() for w in weights)]
+    buffers = [p for c in cache.layers for p in (c._k.data_ptr(), c._v.data_ptr(), c._k.stride(1))]
     if kept is None or kept[0] != key:
         rows = []
         for layer in mod.layers:
@@ -637,7 +643,8 @@ def _stack_table(mod: nn.Module, cache_layers: list) -> tuple:
     if made_for != buffers:  # the cache's buffers moved (a new cache, or one grown): their addresses again
         tables = (torch.tensor([row + buffers[3 * i:3 * i + 2] for i, row in enumerate(rows)], dtype=torch.int64),
                   torch.tensor(buffers[2::3], dtype=torch.int64))
-        mod._stack_table = (key, rows, eps, buffers, tables)
+        kept = mod._stack_table = (key, rows, eps, buffers, tables)
+    cache._stack_mark = (kept, PreallocatedLayer.buffers_made, switches)
     return tables[0], eps, tables[1]
 
 
@@ -646,6 +653,28 @@ def _stack_slots(layer: nn.Module) -> list:
     attn, norm1, norm2, gate, up, down = layer._fused_parts
     projs = [(d, name) for d in attn._fused_params for name in ("weight", "bias") if d.get(name) is not None]
     return [(norm1, "weight"), (norm2, "weight"), *projs, (gate, "weight"), (up, "weight"), (down, "weight")]
+
+
+ROPE_TABLE_MAX = 1 << 16  # the most positions `_rotary` keeps a table of
+
+
+def _rotary(mod: nn.Module, x: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The model's rotary (cos, sin) at position ids pos [1, m]: for the default rope type, rows of a table of every
+    position up to the model's maximum, made by the module itself in one call (each entry depends only on its own
+    position: the same bits, checked in the tests), else the module's own call."""
+    rot = getattr(mod, "rotary_emb", None)
+    size = getattr(mod.config, "max_position_embeddings", 0) or 0
+    if getattr(rot, "rope_type", None) != "default" or not 0 < size <= ROPE_TABLE_MAX:
+        return rot(x, position_ids=pos)
+    inv = rot.inv_freq
+    table = mod.__dict__.get("_rope_table")
+    if table is None or table[0] is not inv or table[1] != (inv._version, x.dtype, float(rot.attention_scaling)):
+        cos, sin = rot(x[:, :1], position_ids=torch.arange(size, device=x.device)[None])
+        table = mod._rope_table = (inv, (inv._version, x.dtype, float(rot.attention_scaling)), cos, sin)
+    try:
+        return table[2].index_select(1, pos[0]), table[3].index_select(1, pos[0])
+    except (IndexError, RuntimeError):  # a position past the model's maximum
+        return rot(x, position_ids=pos)
 
 
 def _stack_call(mod: nn.Module, kwargs: dict):
@@ -675,11 +704,11 @@ def _stack_call(mod: nn.Module, kwargs: dict):
     if mask is not None and not _mask_fits(mask, m, past):
         return None
     x = mod.embed_tokens(ids)
-    cos, sin = mod.rotary_emb(x, position_ids=pos)
+    cos, sin = _rotary(mod, x, pos)
     heads, kv_heads, d, inter, scale = mod._stack_dims
     if x.dtype != torch.float32 or not x.is_cpu or not x.is_contiguous() or not _rotary_fits((cos, sin), m, d):
         return None
-    table, eps, strides = _stack_table(mod, layers)
+    table, eps, strides = _stack_table(mod, cache)
     want = kwargs.get("output_hidden_states")
     keep = x.new_empty(len(layers) - 1, 1, m, x.shape[2]) if (getattr(mod.config, "output_hidden_states", False)
                                                               if want is None else want) else None

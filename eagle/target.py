@@ -229,16 +229,48 @@ class TargetModel:
 
 
 class PreallocatedLayer(DynamicLayer):
-    """A DynamicLayer whose keys / values are views of a preallocated buffer; `update` writes in place."""
+    """A DynamicLayer whose keys / values are the first `length` positions of preallocated buffers; `update` writes
+    in place. The views are made when read, so a pass that writes the buffers itself (the C kernels) and a crop
+    only move `length`. Tensors assigned to keys / values (transformers' own code paths) replace the buffers."""
+
+    _k = _v = None  # the buffers [B, kv_heads, capacity, D], or None: keys / values are the tensors assigned
+    length = 0  # positions filled, while there are buffers
+    buffers_made = 0  # buffers made so far by any layer (`eagle.fastlinear` keeps their addresses until it grows)
+
+    @property
+    def keys(self):
+        return self._k[:, :, : self.length] if self._k is not None else self.__dict__.get("_keys")
+
+    @keys.setter
+    def keys(self, t):
+        self._drop_buffers()
+        self.__dict__["_keys"] = t
+
+    @property
+    def values(self):
+        return self._v[:, :, : self.length] if self._v is not None else self.__dict__.get("_values")
+
+    @values.setter
+    def values(self, t):
+        self._drop_buffers()
+        self.__dict__["_values"] = t
+
+    def _drop_buffers(self) -> None:
+        if self._k is not None:  # the other of keys / values keeps its filled part, as a plain tensor
+            self.__dict__["_keys"], self.__dict__["_values"] = self.keys, self.values
+            self._k = self._v = None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
         self._k = self._v = None
 
+    def get_seq_length(self) -> int:
+        return self.length if self._k is not None else super().get_seq_length()
+
     def update(self, key_states, value_states, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        n = self.keys.shape[-2] if self.keys.dim() == 4 else 0
+        n = self.get_seq_length()
         end = n + key_states.shape[-2]
         if self._k is None or self._k.shape[-2] < end or self._k.shape[:2] != key_states.shape[:2]:
             cap = max(256, 1 << math.ceil(math.log2(end)))
@@ -247,26 +279,27 @@ class PreallocatedLayer(DynamicLayer):
             if n:
                 k[..., :n, :], v[..., :n, :] = self.keys, self.values
             self._k, self._v = k, v
+            PreallocatedLayer.buffers_made += 1
         self._k[..., n:end, :] = key_states
         self._v[..., n:end, :] = value_states
-        return self.filled(end)
-
-    def filled(self, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The buffers hold `end` positions now (written in place, here or by a kernel): keys / values view them."""
-        self.keys, self.values = self._k[..., :end, :], self._v[..., :end, :]
+        self.length = end
         return self.keys, self.values
+
+    def filled(self, end: int) -> None:
+        """The buffers hold `end` positions now (written in place, here or by a kernel), or keep only `end`."""
+        self.length = end
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         """Keep the batch rows `indices`: one copy of the filled part into a buffer of the same capacity."""
-        if getattr(self, "_k", None) is None:
+        if self._k is None:
             return super().batch_select_indices(indices)
-        n = self.keys.shape[-2]
+        n = self.length
         k = self._k.new_empty(len(indices), *self._k.shape[1:])
         v = self._v.new_empty(len(indices), *self._v.shape[1:])
         k[..., :n, :] = self._k[indices, :, :n]
         v[..., :n, :] = self._v[indices, :, :n]
         self._k, self._v = k, v
-        self.keys, self.values = k[..., :n, :], v[..., :n, :]
+        PreallocatedLayer.buffers_made += 1
 
 
 def preallocated_cache(preallocate: bool = True) -> DynamicCache:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from eagle.target import preallocated_cache
+from eagle.target import PreallocatedLayer, preallocated_cache
 
 
 class TargetCache:
@@ -22,13 +22,16 @@ class TargetCache:
         return self.hf.get_seq_length()
 
     def _layers(self):
-        return [layer for layer in self.hf.layers if getattr(layer, "keys", None) is not None and layer.keys.numel()]
+        return [layer for layer in self.hf.layers if layer.get_seq_length()]
 
     def crop(self, n: int) -> None:
         """Keep the first n positions."""
         for layer in self._layers():
-            layer.keys = layer.keys[..., :n, :]
-            layer.values = layer.values[..., :n, :]
+            if isinstance(layer, PreallocatedLayer) and layer._k is not None:
+                layer.filled(min(n, layer.length))  # the buffers stay; only the length moves
+            else:
+                layer.keys = layer.keys[..., :n, :]
+                layer.values = layer.values[..., :n, :]
 
     def compact(self, start: int, keep: torch.Tensor) -> None:
         """Keep positions [0, start) plus start + keep (sorted offsets), moved down to start, start + 1, ...
@@ -39,8 +42,8 @@ class TargetCache:
         contiguous = bool(keep[-1].item() == m - 1)  # a chain's accepted path is a prefix: nothing to move
         for layer in self._layers():
             if not contiguous:
-                src = start + keep.to(layer.keys.device)
-                layer.keys[..., start:start + m, :] = layer.keys.index_select(-2, src)
-                layer.values[..., start:start + m, :] = layer.values.index_select(-2, src)
-            layer.keys = layer.keys[..., :start + m, :]
-            layer.values = layer.values[..., :start + m, :]
+                keys, values = layer.keys, layer.values
+                src = start + keep.to(keys.device)
+                keys[..., start:start + m, :] = keys.index_select(-2, src)
+                values[..., start:start + m, :] = values.index_select(-2, src)
+        self.crop(start + m)

@@ -120,6 +120,32 @@ def test_cache_compact_then_step_equals_fresh_forward(target):
     torch.testing.assert_close(step[0, -1], fresh[0, -1])
 
 
+def test_preallocated_cache_layers_view_their_buffers_and_take_assigned_tensors():
+    # keys / values are views of the first `length` positions of the buffers, made when read: a crop moves only the
+    # length and keeps the buffers; a tensor assigned by transformers' own code paths replaces them, and the next
+    # update copies it into new buffers
+    from eagle.target import PreallocatedLayer
+
+    cache = TargetCache()
+    layer = PreallocatedLayer()
+    cache.hf.layers.append(layer)
+    k, v = torch.randn(1, 2, 5, 4), torch.randn(1, 2, 5, 4)
+    layer.update(k, v)
+    buf = layer._k
+    assert layer.length == 5 and buf.shape[2] >= 5 and torch.equal(layer.keys, k) and torch.equal(layer.values, v)
+    assert layer.keys.data_ptr() == buf.data_ptr() and len(cache) == 5
+    cache.crop(3)
+    assert layer._k is buf and layer.get_seq_length() == 3 and torch.equal(layer.values, v[:, :, :3])
+    k2, v2 = torch.randn(1, 2, 2, 4), torch.randn(1, 2, 2, 4)
+    keys, values = layer.update(k2, v2)
+    assert layer._k is buf and torch.equal(keys, torch.cat([k[:, :, :3], k2], 2))
+    assert torch.equal(values, torch.cat([v[:, :, :3], v2], 2))
+    layer.crop(-1)  # transformers' own crop assigns shorter tensors
+    assert layer._k is None and layer.get_seq_length() == 4 and torch.equal(layer.values, values[:, :, :4])
+    layer.update(k2[:, :, :1], v2[:, :, :1])
+    assert layer._k is not None and torch.equal(layer.keys, torch.cat([keys[:, :, :4], k2[:, :, :1]], 2))
+
+
 def test_tree_helpers_hand_drawn():
     parents = torch.tensor([-1, 0, 0, 1, 1, 2, 3])
     assert tree.depths(parents).tolist() == [0, 1, 1, 2, 2, 2, 3]

@@ -250,6 +250,24 @@ def test_every_layer_in_one_call_gives_the_one_call_layers_bits():
     use_gqa_sdpa(target.model, False)
 
 
+def test_rotary_table_rows_are_the_modules_own_bits():
+    # the stack's rotary (cos, sin) come from a table the module made in one call: the same bits as the module's
+    # own call at any positions, in any order; past the model's maximum the module's own call
+    from eagle.fastlinear import _rotary
+
+    target = tiny_target(dtype=torch.float32, hidden=64, layers=2)
+    base = target.model.model
+    size = base.config.max_position_embeddings
+    x = torch.randn(1, 3, 64)
+    g = torch.Generator().manual_seed(0)
+    for pos in [torch.arange(3), torch.randint(0, size, (3,), generator=g), torch.tensor([size - 1, 0, 7])]:
+        want = base.rotary_emb(x, position_ids=pos[None])
+        got = _rotary(base, x, pos[None])
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    past_end = torch.tensor([[size, size + 1, size + 2]])
+    assert torch.equal(_rotary(base, x, past_end)[0], base.rotary_emb(x, position_ids=past_end)[0])
+
+
 def _prefilled(target, prefix):
     cache = TargetCache()  # the prefix read into a new cache
     target.features(prefix, position_ids=torch.arange(prefix.shape[1])[None], cache=cache.hf)
