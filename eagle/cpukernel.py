@@ -1898,6 +1898,7 @@ def draft_precision(weights: list[torch.Tensor], on: bool = True) -> None:
             w.__dict__["_eagle_draft"] = True
         else:
             w.__dict__.pop("_eagle_draft", None)
+        w.__dict__.pop("_eagle_address", None)  # `packed` answers again
 
 
 def in_draft_precision(weight: torch.Tensor) -> bool:
@@ -1968,7 +1969,20 @@ def packed(weight: torch.Tensor) -> int:
     (`amx_on`) summed in another order with float32 accuracy), else `pack`'s float32 copy (twice the weight's memory).
     Each setting of `Q4_1` and `AMX` keeps its own copy, so a benchmark can switch between them. A weight
     `draft_precision` marked is read in int8 (`pack_i8`, tag 4) or bfloat16 (`pack_bf16`, tag 3) instead where
-    `in_draft_precision` says so."""
+    `in_draft_precision` says so. The answer is kept on the weight with every setting it depends on, so a
+    decoding step's ~100 calls cost a dictionary lookup each."""
+    try:
+        version = weight._version
+    except RuntimeError:  # an inference-mode tensor has no version counter; it cannot change outside that mode
+        version = -1
+    key = (version, weight.data_ptr(), Q4_1, AMX, LOW_PRECISION_DRAFTS, INT8_DRAFTS, torch.is_grad_enabled())
+    memo = weight.__dict__.get("_eagle_address")
+    if memo is None or memo[0] != key:
+        memo = weight.__dict__["_eagle_address"] = (key, _packed_address(weight))
+    return memo[1]
+
+
+def _packed_address(weight: torch.Tensor) -> int:
     if in_draft_precision(weight):
         if INT8_DRAFTS and (_lib or library()).screen_tiles():
             return _kept(weight, "_eagle_packed_i8", _pack_i8)[1]
@@ -1986,6 +2000,7 @@ def unpack(weight: torch.Tensor) -> None:
     weight.__dict__.pop("_eagle_packed_bf16", None)
     weight.__dict__.pop("_eagle_packed_i8", None)
     weight.__dict__.pop("_eagle_screen", None)
+    weight.__dict__.pop("_eagle_address", None)
 
 
 def rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

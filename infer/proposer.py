@@ -373,19 +373,23 @@ def merge_chain(draft: Draft, chain: list[int], start: int = 0) -> Draft:
             pars.append(node)
         node = child[node, t]
         on_chain.append(node)
-    lookup = torch.zeros(len(toks), dtype=torch.bool)
-    if draft.lookup is not None:
-        lookup[:n0] = draft.lookup
-    lookup[on_chain] = True
-    drafted = torch.arange(len(toks)) < n0 if draft.drafted is None else torch.cat(
-        [draft.drafted, torch.zeros(len(toks) - n0, dtype=torch.bool)])
+    new = len(toks) - n0  # (lists, then one tensor each: a drafting round is short of microseconds)
+    lookup = (draft.lookup.tolist() if draft.lookup is not None else [False] * n0) + [False] * new
+    for i in on_chain:
+        lookup[i] = True
+    drafted = (draft.drafted.tolist() if draft.drafted is not None else [True] * n0) + [False] * new
+    lookup, drafted = torch.tensor(lookup), torch.tensor(drafted)
     q = draft.q
-    if q is not None and len(toks) > n0:
-        q = torch.cat([q, q.new_zeros(len(toks) - n0, q.shape[1])])
-    if len(toks) == n0:
+    if not new:
         return Draft(draft.tokens, draft.parents, q, draft.node_mask, draft.depth, lookup, drafted)
-    return Draft(torch.tensor(toks, device=draft.tokens.device), torch.tensor(pars), q, lookup=lookup,
-                 drafted=drafted)
+    if q is not None:
+        q = torch.cat([q, q.new_zeros(new, q.shape[1])])
+    depth = draft.depth.tolist()
+    for p in pars[n0:]:
+        depth.append(depth[p] + 1)
+    parents = torch.tensor(pars)
+    return Draft(torch.tensor(toks, device=draft.tokens.device), parents, q, tree.ancestor_mask(parents),
+                 torch.tensor(depth), lookup, drafted)
 
 
 class LookupProposer:

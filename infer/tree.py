@@ -17,10 +17,16 @@ def chain(k: int) -> torch.Tensor:
 
 def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
     """[N, N] bool: mask[i, j] is True when j is i or one of i's ancestors (what node i may attend to)."""
-    n = parents.shape[0]
+    par = parents.tolist()
+    n = len(par)
+    if n <= 63:  # rows as bit sets in Python ints, unpacked at once (a torch op per node costs more)
+        bits: list[int] = []
+        for i, p in enumerate(par):  # parents[i] < i, so row parents[i] is already complete
+            bits.append((bits[p] if p >= 0 else 0) | (1 << i))
+        return (torch.tensor(bits)[:, None] >> torch.arange(n)) & 1 == 1
     mask = torch.eye(n, dtype=torch.bool)
-    for i in range(1, n):  # parents[i] < i, so row parents[i] is already complete
-        mask[i] |= mask[parents[i]]
+    for i in range(1, n):
+        mask[i] |= mask[par[i]]
     return mask
 
 

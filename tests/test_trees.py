@@ -257,3 +257,17 @@ def test_bad_decoding_settings_are_one_line_errors(target, bad, msg):
     with pytest.raises(ValueError, match=msg) as e:
         dec.generate(PROMPT, 4, **bad)
     assert "\n" not in str(e.value)
+
+
+def test_ancestor_mask_matches_a_walk_up_the_parents_on_random_trees():
+    # bit sets up to 63 nodes, rows of a tensor beyond: both are a node's own walk up to the root
+    g = torch.Generator().manual_seed(0)
+    for n in (1, 2, 5, 17, 63, 64, 90):
+        parents = torch.tensor([-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, n)])
+        want = torch.zeros(n, n, dtype=torch.bool)
+        for i in range(n):
+            j = i
+            while j >= 0:
+                want[i, j] = True
+                j = int(parents[j])
+        assert torch.equal(tree.ancestor_mask(parents), want)
