@@ -26,10 +26,11 @@ class TargetCache:
 
     def crop(self, n: int) -> None:
         """Keep the first n positions."""
-        for layer in self._layers():
-            if isinstance(layer, PreallocatedLayer) and layer._k is not None:
-                layer.filled(min(n, layer.length))  # the buffers stay; only the length moves
-            else:
+        for layer in self.hf.layers:
+            if type(layer) is PreallocatedLayer and layer._k is not None:
+                if layer.length > n:  # the buffers stay; only the length moves
+                    layer.length = n
+            elif layer.get_seq_length():
                 layer.keys = layer.keys[..., :n, :]
                 layer.values = layer.values[..., :n, :]
 

@@ -118,10 +118,9 @@ def check_config(c: DecodeConfig) -> None:
 def verify_mask(prefix_len: int, node_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """[1, 1, N, prefix + N] additive mask: every node sees the whole prefix and its own ancestors."""
     n = node_mask.shape[0]
-    allowed = torch.cat([torch.ones(n, prefix_len, dtype=torch.bool), node_mask], dim=1)
-    mask = torch.zeros(allowed.shape, dtype=dtype)
-    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
-    return mask[None, None]
+    mask = torch.zeros(1, 1, n, prefix_len + n, dtype=dtype)
+    mask[0, 0, :, prefix_len:].masked_fill_(~node_mask, torch.finfo(dtype).min)
+    return mask
 
 
 class SpeculativeDecoder:

@@ -78,11 +78,16 @@ def screened_argmax(layer: torch.nn.Module, weight: torch.Tensor, feats: torch.T
 
 def accept_greedy(tokens: torch.Tensor, predicted: torch.Tensor, parents: torch.Tensor,
                   node_mask: torch.Tensor, depth: torch.Tensor) -> int:
-    """Deepest node whose whole root path agrees with the target's argmax; returns its index (0: none accepted)."""
-    match = torch.ones_like(tokens, dtype=torch.bool)
-    match[1:] = tokens[1:] == predicted[parents[1:]]
-    path_ok = ~(node_mask & ~match[None]).any(-1)
-    return int(torch.where(path_ok, depth, -1).argmax().item())  # the round's one host sync
+    """Deepest node whose whole root path agrees with the target's argmax (the first such node at that depth);
+    returns its index (0: none accepted). In Python lists: a round's tree has a few nodes, and each torch op costs
+    more than the whole walk (the lists are the round's one host sync)."""
+    tok, pred, par, dep = tokens.tolist(), predicted.tolist(), parents.tolist(), depth.tolist()
+    ok, best = [True] * len(tok), 0
+    for i in range(1, len(tok)):  # parents[i] < i: a node's path is settled once its parent's is
+        ok[i] = ok[par[i]] and tok[i] == pred[par[i]]
+        if ok[i] and dep[i] > dep[best]:
+            best = i
+    return best
 
 
 def accept_sampled(tokens: torch.Tensor, parents: torch.Tensor, p: torch.Tensor, q: torch.Tensor | None,

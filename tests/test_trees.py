@@ -271,3 +271,19 @@ def test_ancestor_mask_matches_a_walk_up_the_parents_on_random_trees():
                 want[i, j] = True
                 j = int(parents[j])
         assert torch.equal(tree.ancestor_mask(parents), want)
+
+
+def test_accept_greedy_takes_the_first_deepest_node_whose_path_the_target_agrees_with():
+    from infer.sampling import accept_greedy
+
+    g = torch.Generator().manual_seed(1)
+    for n in (1, 2, 6, 12, 40):
+        for _ in range(20):
+            parents = torch.tensor([-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, n)])
+            tokens = torch.randint(0, 3, (n,), generator=g)
+            predicted = torch.randint(0, 3, (n,), generator=g)
+            mask, depth = tree.ancestor_mask(parents), tree.depths(parents)
+            ok = [all(j == 0 or int(tokens[j]) == int(predicted[parents[j]]) for j in tree.path_to(mask, i).tolist())
+                  for i in range(n)]
+            want = max(range(n), key=lambda i: (ok[i], int(depth[i]) if ok[i] else -1, -i))
+            assert accept_greedy(tokens, predicted, parents, mask, depth) == want
