@@ -624,8 +624,57 @@ static inline void tile_parts(const amx_rows *a, int64_t r0, int64_t g) {
     _tile_dpbf16ps(0, 4, 5); _tile_dpbf16ps(1, 4, 6);
 }
 
+/* amx_block for R = a->M <= 8 rows: the same operations in the same order, each row's sums kept in registers
+   from group to group instead of in acc (two loads and two stores fewer a row and group) */
+static inline __attribute__((always_inline)) void amx_block_rows(const unsigned char *Q, const amx_rows *a,
+                                                                 float *acc, const unsigned char *ahead, const int R) {
+    uint16_t T[2 * 512] __attribute__((aligned(64)));
+    float C[2][16 * 16] __attribute__((aligned(64)));
+    const int64_t ng = a->in_f / 32;
+    __m512 y[8][2];
+    for (int r = 0; r < R; r++) y[r][0] = y[r][1] = _mm512_setzero_ps();
+    amx_config(a->R);
+    for (int64_t g = 0; g < ng; g++) {
+        const unsigned char *G = Q + g * QG;
+        prefetch_group(ahead, g, QG);
+        amx_decode(G + 128, T);
+        _tile_loadd(5, T, 64);
+        _tile_loadd(6, T + 512, 64);
+        const __m512 d0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)G)),
+                     d1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(G + 32)));
+        const __m512 m0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(G + 64))),
+                     m1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(G + 96)));
+        _tile_zero(0);
+        _tile_zero(1);
+        tile_parts(a, 0, g);
+        _tile_stored(0, C[0], 64);
+        _tile_stored(1, C[1], 64);
+        for (int r = 0; r < R; r++) {
+            const __m512 s = _mm512_set1_ps(a->S[r * ng + g]);
+            y[r][0] = _mm512_fmadd_ps(m0, s, _mm512_fmadd_ps(_mm512_load_ps(C[0] + 16 * r), d0, y[r][0]));
+            y[r][1] = _mm512_fmadd_ps(m1, s, _mm512_fmadd_ps(_mm512_load_ps(C[1] + 16 * r), d1, y[r][1]));
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        _mm512_storeu_ps(acc + r * NB, y[r][0]);
+        _mm512_storeu_ps(acc + r * NB + 16, y[r][1]);
+    }
+}
+#define AMXR(R) static __attribute__((noinline)) void amx_rows##R(const unsigned char *Q, const amx_rows *a, \
+                                                                  float *acc, const unsigned char *ahead) { \
+    amx_block_rows(Q, a, acc, ahead, R); }
+AMXR(1) AMXR(2) AMXR(3) AMXR(4) AMXR(5) AMXR(6) AMXR(7) AMXR(8)
+#undef AMXR
+typedef void (*amx_rows_fn)(const unsigned char *, const amx_rows *, float *, const unsigned char *);
+static const amx_rows_fn AMX_ROWS[9] = {0, amx_rows1, amx_rows2, amx_rows3, amx_rows4, amx_rows5, amx_rows6,
+                                        amx_rows7, amx_rows8};
+
 /* acc [M][NB]: the rows of a against block Q (the next block, ahead, prefetched if any) */
 static void amx_block(const unsigned char *Q, const amx_rows *a, float *acc, const unsigned char *ahead) {
+    if (a->M <= 8) {
+        AMX_ROWS[a->M](Q, a, acc, ahead);
+        return;
+    }
     uint16_t T[2 * 512] __attribute__((aligned(64)));
     float C[2][16 * 16] __attribute__((aligned(64)));
     const int64_t ng = a->in_f / 32;
