@@ -80,7 +80,8 @@ def accept_greedy(tokens: torch.Tensor, predicted: torch.Tensor, parents: torch.
                   node_mask: torch.Tensor, depth: torch.Tensor) -> int:
     """Deepest node whose whole root path agrees with the target's argmax (the first such node at that depth);
     returns its index (0: none accepted). In Python lists: a round's tree has a few nodes, and each torch op costs
-    more than the whole walk (the lists are the round's one host sync)."""
+    more than the whole walk. The tensors are on the CPU (the caller's copy of the target's argmax there is the
+    round's one host sync)."""
     tok, pred, par, dep = tokens.tolist(), predicted.tolist(), parents.tolist(), depth.tolist()
     ok, best = [True] * len(tok), 0
     for i in range(1, len(tok)):  # parents[i] < i: a node's path is settled once its parent's is
