@@ -892,6 +892,7 @@ static inline float hmax(v8 a) {
    each output summed over the keys in order; masked keys weigh exp(-inf) = 0. So a query row gets the same bits
    whatever the other rows of its pass, and the same bits with 8- or 16-wide vectors. */
 #define QT 4
+#define KEYS_AHEAD 32  /* keys and values prefetched this many positions ahead */
 
 #ifdef __AVX512F__
 /* k0[d .. d + 7] in the low half, k1[d .. d + 7] in the high half */
@@ -918,6 +919,8 @@ static inline __attribute__((always_inline)) void scores8(const float *const *q,
     for (int i = 0; i < nq; i++)
         for (int c = 0; c < 4; c++) a[i][c] = _mm512_setzero_ps();
     for (int64_t d = 0; d < D; d += 8) {
+        if (d % 16 == 0)  /* the keys KEYS_AHEAD on, a line each: the hardware prefetcher alone falls behind */
+            for (int c = 0; c < 8; c++) __builtin_prefetch(k + (j + KEYS_AHEAD + c) * kv_sj + d, 0, 3);
         __m512 kp[4];
         for (int c = 0; c < 4; c++) kp[c] = halves(k + (j + c) * kv_sj + d, k + (j + 4 + c) * kv_sj + d);
         for (int i = 0; i < nq; i++) {
@@ -956,6 +959,7 @@ static inline __attribute__((always_inline)) void values8(const float *P, int nq
         for (int e = 0; e < 4; e++) c[i][e] = _mm512_setzero_ps();
     for (int64_t j = 0; j < L; j++) {
         const float *vj = v + j * kv_sj + d0;
+        for (int e = 0; e < 4; e++) __builtin_prefetch(vj + KEYS_AHEAD * kv_sj + 16 * e, 0, 3);
         const __m512 w0 = _mm512_loadu_ps(vj), w1 = _mm512_loadu_ps(vj + 16), w2 = _mm512_loadu_ps(vj + 32),
                      w3 = _mm512_loadu_ps(vj + 48);
         for (int i = 0; i < nq; i++) {
