@@ -892,7 +892,10 @@ static inline float hmax(v8 a) {
    each output summed over the keys in order; masked keys weigh exp(-inf) = 0. So a query row gets the same bits
    whatever the other rows of its pass, and the same bits with 8- or 16-wide vectors. */
 #define QT 4
-#define KEYS_AHEAD 32  /* keys and values prefetched this many positions ahead */
+/* keys and values prefetched this many positions ahead, never past the last key: a prefetch into a page not yet
+   written (the rest of a cache buffer) is dropped only after a page walk, every time, and that cost a verification
+   pass more than the attention itself */
+#define KEYS_AHEAD 32
 
 #ifdef __AVX512F__
 /* k0[d .. d + 7] in the low half, k1[d .. d + 7] in the high half */
@@ -909,17 +912,18 @@ static inline __m512 pair_sums(__m512 a, __m512 b) {
 }
 #endif
 
-/* S[i, j .. j + 7] = scale q_i . k_j.. for the nq queries of a tile; 8-wide lanes over d, each reduced as hsum */
+/* S[i, j .. j + 7] = scale q_i . k_j.. for the nq queries of a tile; 8-wide lanes over d, each reduced as hsum;
+   `ahead`: prefetch the keys KEYS_AHEAD on */
 static inline __attribute__((always_inline)) void scores8(const float *const *q, int nq, const float *k,
                                                           int64_t kv_sj, int64_t j, int64_t D, float scale,
-                                                          float *S, int64_t L8) {
+                                                          float *S, int64_t L8, int ahead) {
 #ifdef __AVX512F__
     /* four accumulators per query, each two keys (j + c in the low half, j + 4 + c in the high half) */
     __m512 a[QT][4];
     for (int i = 0; i < nq; i++)
         for (int c = 0; c < 4; c++) a[i][c] = _mm512_setzero_ps();
     for (int64_t d = 0; d < D; d += 8) {
-        if (d % 16 == 0)  /* the keys KEYS_AHEAD on, a line each: the hardware prefetcher alone falls behind */
+        if (ahead && d % 16 == 0)  /* the keys KEYS_AHEAD on, a line each: the hardware prefetcher falls behind */
             for (int c = 0; c < 8; c++) __builtin_prefetch(k + (j + KEYS_AHEAD + c) * kv_sj + d, 0, 3);
         __m512 kp[4];
         for (int c = 0; c < 4; c++) kp[c] = halves(k + (j + c) * kv_sj + d, k + (j + 4 + c) * kv_sj + d);
@@ -959,7 +963,8 @@ static inline __attribute__((always_inline)) void values8(const float *P, int nq
         for (int e = 0; e < 4; e++) c[i][e] = _mm512_setzero_ps();
     for (int64_t j = 0; j < L; j++) {
         const float *vj = v + j * kv_sj + d0;
-        for (int e = 0; e < 4; e++) __builtin_prefetch(vj + KEYS_AHEAD * kv_sj + 16 * e, 0, 3);
+        if (j + KEYS_AHEAD < L)
+            for (int e = 0; e < 4; e++) __builtin_prefetch(vj + KEYS_AHEAD * kv_sj + 16 * e, 0, 3);
         const __m512 w0 = _mm512_loadu_ps(vj), w1 = _mm512_loadu_ps(vj + 16), w2 = _mm512_loadu_ps(vj + 32),
                      w3 = _mm512_loadu_ps(vj + 48);
         for (int i = 0; i < nq; i++) {
@@ -1007,7 +1012,7 @@ static inline __attribute__((always_inline)) void attend_tile(const float *const
     const int64_t L8 = (L + 7) / 8 * 8;
     float inv[QT];
     int64_t j = 0;
-    for (; j + 8 <= L; j += 8) scores8(q, nq, k, kv_sj, j, D, scale, S, L8);
+    for (; j + 8 <= L; j += 8) scores8(q, nq, k, kv_sj, j, D, scale, S, L8, j + KEYS_AHEAD + 8 <= L);
     for (; j < L; j++)  /* the last keys one at a time, the same sums */
         for (int i = 0; i < nq; i++) {
             v8 a0 = {0};
