@@ -624,6 +624,32 @@ static inline void tile_parts(const amx_rows *a, int64_t r0, int64_t g) {
     _tile_dpbf16ps(0, 4, 5); _tile_dpbf16ps(1, 4, 6);
 }
 
+/* group g of block Q (the same group of the next block, ahead, prefetched if any): its codes decoded through T into
+   tiles 5 and 6, its d and m (outputs 0-15 and 16-31) as floats */
+static inline __attribute__((always_inline)) void amx_group(const unsigned char *Q, int64_t g,
+                                                            const unsigned char *ahead, uint16_t *T, __m512 *d0,
+                                                            __m512 *d1, __m512 *m0, __m512 *m1) {
+    const unsigned char *G = Q + g * QG;
+    prefetch_group(ahead, g, QG);
+    amx_decode(G + 128, T);
+    _tile_loadd(5, T, 64);
+    _tile_loadd(6, T + 512, 64);
+    *d0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)G));
+    *d1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(G + 32)));
+    *m0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(G + 64)));
+    *m1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(G + 96)));
+}
+
+/* C [2][16 x 16]: rows r0 .. r0 + R - 1 of a, inputs of group g, times tiles 5 and 6 (its codes) */
+static inline __attribute__((always_inline)) void group_sums(const amx_rows *a, int64_t r0, int64_t g,
+                                                             float C[2][16 * 16]) {
+    _tile_zero(0);
+    _tile_zero(1);
+    tile_parts(a, r0, g);
+    _tile_stored(0, C[0], 64);
+    _tile_stored(1, C[1], 64);
+}
+
 /* amx_block for R = a->M <= 8 rows: the same operations in the same order, each row's sums kept in registers
    from group to group instead of in acc (two loads and two stores fewer a row and group) */
 static inline __attribute__((always_inline)) void amx_block_rows(const unsigned char *Q, const amx_rows *a,
@@ -635,20 +661,9 @@ static inline __attribute__((always_inline)) void amx_block_rows(const unsigned 
     for (int r = 0; r < R; r++) y[r][0] = y[r][1] = _mm512_setzero_ps();
     amx_config(a->R);
     for (int64_t g = 0; g < ng; g++) {
-        const unsigned char *G = Q + g * QG;
-        prefetch_group(ahead, g, QG);
-        amx_decode(G + 128, T);
-        _tile_loadd(5, T, 64);
-        _tile_loadd(6, T + 512, 64);
-        const __m512 d0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)G)),
-                     d1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(G + 32)));
-        const __m512 m0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(G + 64))),
-                     m1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(G + 96)));
-        _tile_zero(0);
-        _tile_zero(1);
-        tile_parts(a, 0, g);
-        _tile_stored(0, C[0], 64);
-        _tile_stored(1, C[1], 64);
+        __m512 d0, d1, m0, m1;
+        amx_group(Q, g, ahead, T, &d0, &d1, &m0, &m1);
+        group_sums(a, 0, g, C);
         for (int r = 0; r < R; r++) {
             const __m512 s = _mm512_set1_ps(a->S[r * ng + g]);
             y[r][0] = _mm512_fmadd_ps(m0, s, _mm512_fmadd_ps(_mm512_load_ps(C[0] + 16 * r), d0, y[r][0]));
@@ -681,21 +696,10 @@ static void amx_block(const unsigned char *Q, const amx_rows *a, float *acc, con
     amx_config(a->R);
     memset(acc, 0, sizeof(float) * a->M * NB);
     for (int64_t g = 0; g < ng; g++) {
-        const unsigned char *G = Q + g * QG;
-        prefetch_group(ahead, g, QG);
-        amx_decode(G + 128, T);
-        _tile_loadd(5, T, 64);
-        _tile_loadd(6, T + 512, 64);
-        const __m512 d0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)G)),
-                     d1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(G + 32)));
-        const __m512 m0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(G + 64))),
-                     m1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(G + 96)));
+        __m512 d0, d1, m0, m1;
+        amx_group(Q, g, ahead, T, &d0, &d1, &m0, &m1);
         for (int64_t r0 = 0; r0 < a->M; r0 += a->R) {
-            _tile_zero(0);
-            _tile_zero(1);
-            tile_parts(a, r0, g);
-            _tile_stored(0, C[0], 64);
-            _tile_stored(1, C[1], 64);
+            group_sums(a, r0, g, C);
             const int64_t n = a->M - r0 < a->R ? a->M - r0 : a->R;
             for (int64_t r = 0; r < n; r++) {
                 float *y = acc + (r0 + r) * NB;
