@@ -43,6 +43,7 @@ from __future__ import annotations
 import hashlib
 import inspect
 import json
+import math
 import os
 import platform
 import statistics
@@ -655,26 +656,33 @@ def _stack_slots(layer: nn.Module) -> list:
     return [(norm1, "weight"), (norm2, "weight"), *projs, (gate, "weight"), (up, "weight"), (down, "weight")]
 
 
-ROPE_TABLE_MAX = 1 << 16  # the most positions `_rotary` keeps a table of
-
-
 def _rotary(mod: nn.Module, x: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The model's rotary (cos, sin) at position ids pos [1, m]: for the default rope type, rows of a table of every
-    position up to the model's maximum, made by the module itself in one call (each entry depends only on its own
-    position: the same bits, checked in the tests), else the module's own call."""
-    rot = getattr(mod, "rotary_emb", None)
+    """The model's rotary (cos, sin) at position ids pos [1, m]: for the default rope type, rows of a table the
+    rotary module made itself in one call, of the first 4,096 positions or a power of two more as later passes need
+    (each entry depends only on its own position: the same bits, checked in the tests); else, and past the model's
+    maximum, the module's own call."""
+    rot = mod.rotary_emb
     size = getattr(mod.config, "max_position_embeddings", 0) or 0
-    if getattr(rot, "rope_type", None) != "default" or not 0 < size <= ROPE_TABLE_MAX:
+    if getattr(rot, "rope_type", None) != "default" or size <= 0:
         return rot(x, position_ids=pos)
     inv = rot.inv_freq
-    table = mod.__dict__.get("_rope_table")
-    if table is None or table[0] is not inv or table[1] != (inv._version, x.dtype, float(rot.attention_scaling)):
-        cos, sin = rot(x[:, :1], position_ids=torch.arange(size, device=x.device)[None])
-        table = mod._rope_table = (inv, (inv._version, x.dtype, float(rot.attention_scaling)), cos, sin)
     try:
-        return table[2].index_select(1, pos[0]), table[3].index_select(1, pos[0])
-    except (IndexError, RuntimeError):  # a position past the model's maximum
+        key = (inv._version, x.dtype, float(rot.attention_scaling))
+    except RuntimeError:  # an inference-mode buffer has no version counter; it cannot change outside that mode
+        key = (-1, x.dtype, float(rot.attention_scaling))
+    table = mod.__dict__.get("_rope_table")
+    if table is not None and table[0] is inv and table[1] == key:
+        try:
+            return table[2].index_select(1, pos[0]), table[3].index_select(1, pos[0])
+        except (IndexError, RuntimeError):  # a position past the table (or before it): make it again, or not
+            pass
+    need = int(pos.max()) + 1
+    if int(pos.min()) < 0 or need > size:
         return rot(x, position_ids=pos)
+    n = min(size, max(4096, 1 << math.ceil(math.log2(need))))
+    cos, sin = rot(x[:, :1], position_ids=torch.arange(n, device=x.device)[None])
+    mod._rope_table = (inv, key, cos, sin)
+    return cos.index_select(1, pos[0]), sin.index_select(1, pos[0])
 
 
 def _stack_call(mod: nn.Module, kwargs: dict):

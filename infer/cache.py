@@ -41,8 +41,8 @@ class TargetCache:
         """
         m = keep.shape[0]
         contiguous = bool(keep[-1].item() == m - 1)  # a chain's accepted path is a prefix: nothing to move
-        for layer in self._layers():
-            if not contiguous:
+        if not contiguous:
+            for layer in self._layers():
                 keys, values = layer.keys, layer.values
                 src = start + keep.to(keys.device)
                 keys[..., start:start + m, :] = keys.index_select(-2, src)

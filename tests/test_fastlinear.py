@@ -264,6 +264,7 @@ def test_rotary_table_rows_are_the_modules_own_bits():
         want = base.rotary_emb(x, position_ids=pos[None])
         got = _rotary(base, x, pos[None])
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert base._rope_table[2].shape[1] == size  # 512 positions: the whole table at once
     past_end = torch.tensor([[size, size + 1, size + 2]])
     assert torch.equal(_rotary(base, x, past_end)[0], base.rotary_emb(x, position_ids=past_end)[0])
 
