@@ -22,6 +22,7 @@ import torch
 
 from eagle import EagleHead, TargetModel, load_target
 from eagle import cpukernel
+from eagle.attention import MAX_ROWS as PREFILL_CHUNK  # rows per prefill pass with the fast path: the C attention's
 from eagle.attention import use_gqa_sdpa
 from eagle.fastlinear import disable_fast_linear, enable_fast_linear, fast_linear_enabled
 from infer import tree
@@ -135,6 +136,7 @@ class SpeculativeDecoder:
         self._head_layers = (list(head.config.feature_layer_ids)
                              if head is not None and head.config.head_type == "eagle3" else None)
         self._screen = False  # use_fast_path: greedy tokens may go through cpukernel.screen_argmax
+        self._chunked_prefill = False  # use_fast_path: prompts read in chunks of cached passes (`_prefill`)
 
     def use_fast_path(self, on: bool) -> None:
         """Patch (or restore) the linear layers of the target and the head in place; the first call on a machine
@@ -144,6 +146,7 @@ class SpeculativeDecoder:
         use_gqa_sdpa(self.target.model, on)
         lm = self.target.lm_head
         self._screen = on and screen_fits(self.target)
+        self._chunked_prefill = on and self.target.device.type == "cpu"
         if self._screen:
             cpukernel.screen_tables(lm.weight)  # made now (~1 s for SmolLM2), not in the first timed token
         if self.head is not None:  # the head's own products in int8 / bfloat16 where AMX tiles take them (not the
@@ -284,18 +287,36 @@ class SpeculativeDecoder:
             return torch.tensor([sample(p.cpu(), generator)], device=feats.device)
         return self.greedy_tokens(feats.view(1, -1), cfg.screen_argmax).view(1)
 
+    def _prefill(self, ids: torch.Tensor, cache: TargetCache,
+                 layers: list[int] | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The prompt ids [1, L] read into the cache: the features of every position, and the target `layers`
+        concatenated (`TargetModel.hidden`). With the fast path on the CPU, the first token alone and then chunks of
+        up to PREFILL_CHUNK tokens: each is a pass after a cached past, which the all-layer C call takes, where the
+        whole prompt at once would go through the layers' own path (2-13 % slower on SmolLM2 for prompts of 42-402
+        tokens, BENCHMARKS.md)."""
+        t, n = self.target, ids.shape[1]
+        pos = torch.arange(n, device=ids.device)[None]
+        if not self._chunked_prefill or n <= 2:
+            return t.hidden(ids, position_ids=pos, cache=cache.hf, layers=layers)
+        bounds = [0, *range(1, n, PREFILL_CHUNK), n]
+        parts = [t.hidden(ids[:, a:b], position_ids=pos[:, a:b], cache=cache.hf, layers=layers)
+                 for a, b in zip(bounds, bounds[1:])]
+        feats = torch.cat([f for f, _ in parts], dim=1)
+        return feats, None if layers is None else torch.cat([a for _, a in parts], dim=1)
+
     # -- engines -------------------------------------------------------------------------------------------
     @torch.inference_mode()
     def _autoregressive(self, prompt_ids: list[int], cfg: DecodeConfig, generator):
         """Plain decoding with the KV cache, one token per target pass: the baseline."""
         t, cache = self.target, TargetCache()
         ids = torch.tensor([prompt_ids], device=t.device)
-        pos = torch.arange(ids.shape[1], device=t.device)[None]
+        feats = self._prefill(ids, cache, None)[0]
+        pos = torch.tensor([[ids.shape[1] - 1]], device=t.device)
         while True:
-            feats = t.features(ids, position_ids=pos, cache=cache.hf)
             ids = self._next_token(feats[0, -1], cfg, generator)[None]
-            pos = pos[:, -1:] + 1
+            pos = pos + 1
             yield [int(ids.item())]
+            feats = t.features(ids, position_ids=pos, cache=cache.hf)
 
     @torch.inference_mode()
     def _speculate(self, prompt_ids: list[int], cfg: DecodeConfig, out: GenerateOutput, generator):
@@ -309,8 +330,7 @@ class SpeculativeDecoder:
         t0 = time.perf_counter()
         ids = torch.tensor([prompt_ids], device=dev)
         L = ids.shape[1]
-        feats, aux = t.hidden(ids, position_ids=torch.arange(L, device=dev)[None], cache=cache.hf,
-                              layers=self._head_layers)
+        feats, aux = self._prefill(ids, cache, self._head_layers)
         root = self._next_token(feats[0, -1], cfg, generator)
         out.prefill_s = time.perf_counter() - t0
         yield [int(root.item())]

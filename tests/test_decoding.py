@@ -156,3 +156,26 @@ def test_tree_helpers_hand_drawn():
     assert torch.equal(c, torch.ones(5, 5, dtype=torch.bool).tril())
     p, r = tree.from_choices([[0], [1], [0, 0], [0, 1], [1, 0]])
     assert p.tolist() == [-1, 0, 0, 1, 1, 2] and r.tolist() == [0, 0, 1, 0, 1, 0]
+
+
+def test_a_long_prompt_is_read_in_chunks_with_the_fast_path():
+    # with the fast path, a prompt goes in as its first token and then chunks of up to 64 cached passes (which the
+    # all-layer C call takes): the same features as one pass over it, to float32 accuracy, and decoding stays
+    # lossless
+    target = tiny_target(dtype=torch.float32, hidden=64)
+    dec = SpeculativeDecoder(target, tiny_head(target))
+    dec.use_fast_path(True)
+    ids = torch.randint(4, 90, (1, 150), generator=torch.Generator().manual_seed(3))
+    rows, hidden = [], target.hidden
+    target.hidden = lambda x, *a, **k: rows.append(x.shape[1]) or hidden(x, *a, **k)
+    try:
+        with torch.inference_mode():
+            feats, aux = dec._prefill(ids, TargetCache(), None)
+    finally:
+        del target.hidden
+    assert rows == [1, 64, 64, 21] and aux is None
+    with torch.inference_mode():
+        torch.testing.assert_close(feats, target.features(ids), rtol=1e-4, atol=1e-4)
+    greedy = dec.generate(ids[0].tolist(), 16, speculative=False)
+    assert dec.generate(ids[0].tolist(), 16, num_speculative_tokens=3).token_ids == greedy.token_ids
+    dec.use_fast_path(False)
