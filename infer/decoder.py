@@ -354,7 +354,7 @@ class SpeculativeDecoder:
                                            draft.drafted)
             else:
                 p_argmax = self.greedy_tokens(feats[0], cfg.screen_argmax).cpu()
-                best = accept_greedy(draft.tokens.cpu(), p_argmax, draft.parents, node_mask, depth)
+                best = accept_greedy(draft.tokens.cpu(), p_argmax, draft.parents, depth)
                 nxt = int(p_argmax[best])
             path = tree.path_to(node_mask, best)
             out.accept_lengths.append(int(depth[best]))

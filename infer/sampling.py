@@ -76,8 +76,7 @@ def screened_argmax(layer: torch.nn.Module, weight: torch.Tensor, feats: torch.T
     return None
 
 
-def accept_greedy(tokens: torch.Tensor, predicted: torch.Tensor, parents: torch.Tensor,
-                  node_mask: torch.Tensor, depth: torch.Tensor) -> int:
+def accept_greedy(tokens: torch.Tensor, predicted: torch.Tensor, parents: torch.Tensor, depth: torch.Tensor) -> int:
     """Deepest node whose whole root path agrees with the target's argmax (the first such node at that depth);
     returns its index (0: none accepted). In Python lists: a round's tree has a few nodes, and each torch op costs
     more than the whole walk. The tensors are on the CPU (the caller's copy of the target's argmax there is the

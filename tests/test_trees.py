@@ -286,4 +286,4 @@ def test_accept_greedy_takes_the_first_deepest_node_whose_path_the_target_agrees
             ok = [all(j == 0 or int(tokens[j]) == int(predicted[parents[j]]) for j in tree.path_to(mask, i).tolist())
                   for i in range(n)]
             want = max(range(n), key=lambda i: (ok[i], int(depth[i]) if ok[i] else -1, -i))
-            assert accept_greedy(tokens, predicted, parents, mask, depth) == want
+            assert accept_greedy(tokens, predicted, parents, depth) == want
