@@ -267,19 +267,25 @@ class PreallocatedLayer(DynamicLayer):
     def get_seq_length(self) -> int:
         return self.length if self._k is not None else super().get_seq_length()
 
-    def update(self, key_states, value_states, *args, **kwargs):
+    def reserve(self, like: torch.Tensor, end: int) -> None:
+        """Buffers with room for `end` positions, shaped and typed like `like` ([B, kv_heads, any, D]), keeping
+        the filled part: made by `update`, or before a first pass so that the kernels can write it."""
         if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        n = self.get_seq_length()
-        end = n + key_states.shape[-2]
-        if self._k is None or self._k.shape[-2] < end or self._k.shape[:2] != key_states.shape[:2]:
-            cap = max(256, 1 << math.ceil(math.log2(end)))
-            k = key_states.new_empty(*key_states.shape[:2], cap, key_states.shape[-1])
-            v = value_states.new_empty(*value_states.shape[:2], cap, value_states.shape[-1])
+            self.lazy_initialization(like, like)
+        if self._k is None or self._k.shape[-2] < end or self._k.shape[:2] != like.shape[:2]:
+            n = self.get_seq_length()
+            cap = max(256, 1 << math.ceil(math.log2(max(end, 1))))
+            k = like.new_empty(*like.shape[:2], cap, like.shape[-1])
+            v = like.new_empty(*like.shape[:2], cap, like.shape[-1])
             if n:
                 k[..., :n, :], v[..., :n, :] = self.keys, self.values
             self._k, self._v = k, v
             PreallocatedLayer.buffers_made += 1
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        n = self.get_seq_length() if self.is_initialized else 0
+        end = n + key_states.shape[-2]
+        self.reserve(key_states, end)
         self._k[..., n:end, :] = key_states
         self._v[..., n:end, :] = value_states
         self.length = end

@@ -18,6 +18,20 @@ class TargetCache:
     def __init__(self, preallocate: bool = True):
         self.hf = preallocated_cache(preallocate)
 
+    def reserve(self, target, n: int) -> None:
+        """Every layer with buffers for n positions now, before the first pass (which transformers' cache would
+        otherwise make in its own path): then the kernels' all-layer call can take that pass too."""
+        c = target.config
+        heads = c.num_attention_heads
+        kv = getattr(c, "num_key_value_heads", None) or heads
+        like = torch.empty(1, kv, 0, getattr(c, "head_dim", None) or c.hidden_size // heads, dtype=target.dtype,
+                           device=target.device)
+        while len(self.hf.layers) < c.num_hidden_layers:
+            self.hf.layers.append(PreallocatedLayer())
+        for layer in self.hf.layers:
+            if type(layer) is PreallocatedLayer:
+                layer.reserve(like, n)
+
     def __len__(self) -> int:
         return self.hf.get_seq_length()
 

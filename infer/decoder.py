@@ -290,17 +290,20 @@ class SpeculativeDecoder:
     def _prefill(self, ids: torch.Tensor, cache: TargetCache,
                  layers: list[int] | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The prompt ids [1, L] read into the cache: the features of every position, and the target `layers`
-        concatenated (`TargetModel.hidden`). With the fast path on the CPU, the first token alone and then chunks of
-        up to PREFILL_CHUNK tokens: each is a pass after a cached past, which the all-layer C call takes, where the
-        whole prompt at once would go through the layers' own path (2-13 % slower on SmolLM2 for prompts of 42-402
-        tokens, BENCHMARKS.md)."""
+        concatenated (`TargetModel.hidden`). With the fast path on the CPU, in chunks of up to PREFILL_CHUNK tokens
+        into a cache whose buffers are made first, the first chunk with an explicit causal mask: the all-layer C call
+        takes every chunk, where the whole prompt at once would go through the layers' own path (BENCHMARKS.md)."""
         t, n = self.target, ids.shape[1]
         pos = torch.arange(n, device=ids.device)[None]
-        if not self._chunked_prefill or n <= 2:
+        if not self._chunked_prefill or n <= 1:
             return t.hidden(ids, position_ids=pos, cache=cache.hf, layers=layers)
-        bounds = [0, *range(1, n, PREFILL_CHUNK), n]
-        parts = [t.hidden(ids[:, a:b], position_ids=pos[:, a:b], cache=cache.hf, layers=layers)
-                 for a, b in zip(bounds, bounds[1:])]
+        cache.reserve(t, n)
+        bounds = [0, *range(PREFILL_CHUNK, n, PREFILL_CHUNK), n]
+        parts = []
+        for a, b in zip(bounds, bounds[1:]):
+            mask = verify_mask(0, torch.ones(b, b, dtype=torch.bool).tril(), t.dtype).to(ids.device) if a == 0 else None
+            parts.append(t.hidden(ids[:, a:b], position_ids=pos[:, a:b], attention_mask=mask, cache=cache.hf,
+                                  layers=layers))
         feats = torch.cat([f for f, _ in parts], dim=1)
         return feats, None if layers is None else torch.cat([a for _, a in parts], dim=1)
 

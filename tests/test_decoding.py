@@ -159,9 +159,9 @@ def test_tree_helpers_hand_drawn():
 
 
 def test_a_long_prompt_is_read_in_chunks_with_the_fast_path():
-    # with the fast path, a prompt goes in as its first token and then chunks of up to 64 cached passes (which the
-    # all-layer C call takes): the same features as one pass over it, to float32 accuracy, and decoding stays
-    # lossless
+    # with the fast path, a prompt goes in as chunks of up to 64 tokens into a cache with its buffers made first
+    # (the all-layer C call takes each): the same features as one pass over it, to float32 accuracy, and decoding
+    # stays lossless
     target = tiny_target(dtype=torch.float32, hidden=64)
     dec = SpeculativeDecoder(target, tiny_head(target))
     dec.use_fast_path(True)
@@ -173,7 +173,7 @@ def test_a_long_prompt_is_read_in_chunks_with_the_fast_path():
             feats, aux = dec._prefill(ids, TargetCache(), None)
     finally:
         del target.hidden
-    assert rows == [1, 64, 64, 21] and aux is None
+    assert rows == [64, 64, 22] and aux is None
     with torch.inference_mode():
         torch.testing.assert_close(feats, target.features(ids), rtol=1e-4, atol=1e-4)
     greedy = dec.generate(ids[0].tolist(), 16, speculative=False)
