@@ -1855,16 +1855,22 @@ def pack(weight: torch.Tensor, pairs: bool = False) -> torch.Tensor:
     return w.reshape(padded // PACK, PACK, in_f).transpose(1, 2).contiguous()  # reshape: w may be a transpose
 
 
+def version(t: torch.Tensor) -> int:
+    """The tensor's in-place version counter; -1 for an inference-mode tensor, which has none (it cannot change
+    outside that mode)."""
+    try:
+        return t._version
+    except RuntimeError:
+        return -1
+
+
 def _kept(weight: torch.Tensor, name: str, make, *key):
     """`make(weight)`, made on first use and kept on the tensor itself under `name` until the weight changes in
     place (an optimizer step) or moves, or `key` changes."""
-    try:
-        version = weight._version
-    except RuntimeError:  # an inference-mode tensor has no version counter; it cannot change outside that mode
-        version = -1
+    full = (version(weight), weight.data_ptr(), *key)
     hit = weight.__dict__.get(name)
-    if hit is None or hit[0] != (version, weight.data_ptr(), *key):
-        hit = weight.__dict__[name] = ((version, weight.data_ptr(), *key), make(weight))
+    if hit is None or hit[0] != full:
+        hit = weight.__dict__[name] = (full, make(weight))
     return hit[1]
 
 
@@ -2033,15 +2039,8 @@ def packed(weight: torch.Tensor) -> int:
     `draft_precision` marked is read in int8 (`pack_i8`, tag 4) or bfloat16 (`pack_bf16`, tag 3) instead where
     `in_draft_precision` says so. The answer is kept on the weight with every setting it depends on, so a
     decoding step's ~100 calls cost a dictionary lookup each."""
-    try:
-        version = weight._version
-    except RuntimeError:  # an inference-mode tensor has no version counter; it cannot change outside that mode
-        version = -1
-    key = (version, weight.data_ptr(), Q4_1, AMX, LOW_PRECISION_DRAFTS, INT8_DRAFTS, torch.is_grad_enabled())
-    memo = weight.__dict__.get("_eagle_address")
-    if memo is None or memo[0] != key:
-        memo = weight.__dict__["_eagle_address"] = (key, _packed_address(weight))
-    return memo[1]
+    return _kept(weight, "_eagle_address", _packed_address, Q4_1, AMX, LOW_PRECISION_DRAFTS, INT8_DRAFTS,
+                 torch.is_grad_enabled())
 
 
 def _packed_address(weight: torch.Tensor) -> int:

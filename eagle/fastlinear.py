@@ -626,11 +626,7 @@ def _stack_table(mod: nn.Module, cache: DynamicCache) -> tuple:
     slots = mod.__dict__.get("_stack_slots")
     if slots is None:  # (parameter dict, name) of every weight: the modules' live dicts, so a replaced one is seen
         slots = mod._stack_slots = [(d, name) for layer in mod.layers for d, name in _stack_slots(layer)]
-    weights = [d[name] for d, name in slots]
-    try:
-        key = [*switches, *((w._version, w.data_ptr()) for w in weights)]
-    except RuntimeError:  # inference-mode weights have no version counter; they cannot change outside that mode
-        key = [*switches, *(w.data_ptr() for w in weights)]
+    key = [*switches, *((cpukernel.version(w), w.data_ptr()) for w in (d[name] for d, name in slots))]
     buffers = [p for c in cache.layers for p in (c._k.data_ptr(), c._v.data_ptr(), c._k.stride(1))]
     if kept is None or kept[0] != key:
         rows = []
@@ -666,10 +662,7 @@ def _rotary(mod: nn.Module, x: torch.Tensor, pos: torch.Tensor) -> tuple[torch.T
     if getattr(rot, "rope_type", None) != "default" or size <= 0:
         return rot(x, position_ids=pos)
     inv = rot.inv_freq
-    try:
-        key = (inv._version, x.dtype, float(rot.attention_scaling))
-    except RuntimeError:  # an inference-mode buffer has no version counter; it cannot change outside that mode
-        key = (-1, x.dtype, float(rot.attention_scaling))
+    key = (cpukernel.version(inv), x.dtype, float(rot.attention_scaling))
     table = mod.__dict__.get("_rope_table")
     if table is not None and table[0] is inv and table[1] == key:
         try:

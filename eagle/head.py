@@ -50,15 +50,15 @@ class HeadConfig:
     def for_target(cls, target, **overrides) -> "HeadConfig":
         """Shape the head after a target (a TargetModel): same hidden size, heads and vocabulary."""
         c = target.config
-        heads = c.num_attention_heads
+        kv_heads, head_dim = target.kv_heads_and_dim
         rope = getattr(c, "rope_parameters", None) or {}
         theta = rope.get("rope_theta", getattr(c, "rope_theta", 10000.0))
         kw = dict(
             hidden_size=c.hidden_size,
             vocab_size=target.vocab_size,
-            num_attention_heads=heads,
-            num_key_value_heads=getattr(c, "num_key_value_heads", None) or heads,
-            head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads,
+            num_attention_heads=c.num_attention_heads,
+            num_key_value_heads=kv_heads,
+            head_dim=head_dim,
             intermediate_size=c.intermediate_size,
             rms_norm_eps=float(getattr(c, "rms_norm_eps", 1e-6)),
             rope_theta=float(theta),

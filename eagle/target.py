@@ -188,6 +188,12 @@ class TargetModel:
         return self.config.hidden_size
 
     @property
+    def kv_heads_and_dim(self) -> tuple[int, int]:
+        """(key / value heads, head dim) of its attention layers, as its config gives or implies them."""
+        c, heads = self.config, self.config.num_attention_heads
+        return getattr(c, "num_key_value_heads", None) or heads, getattr(c, "head_dim", None) or c.hidden_size // heads
+
+    @property
     def vocab_size(self) -> int:
         return self.lm_head.weight.shape[0]
 

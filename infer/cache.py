@@ -20,13 +20,13 @@ class TargetCache:
 
     def reserve(self, target, n: int) -> None:
         """Every layer with buffers for n positions now, before the first pass (which transformers' cache would
-        otherwise make in its own path): then the kernels' all-layer call can take that pass too."""
-        c = target.config
-        heads = c.num_attention_heads
-        kv = getattr(c, "num_key_value_heads", None) or heads
-        like = torch.empty(1, kv, 0, getattr(c, "head_dim", None) or c.hidden_size // heads, dtype=target.dtype,
-                           device=target.device)
-        while len(self.hf.layers) < c.num_hidden_layers:
+        otherwise make in its own path): then the kernels' all-layer call can take that pass too. A cache made
+        without preallocation is left as it is."""
+        if self.hf.layer_class_to_replicate is not PreallocatedLayer:
+            return
+        kv_heads, head_dim = target.kv_heads_and_dim
+        like = torch.empty(1, kv_heads, 0, head_dim, dtype=target.dtype, device=target.device)
+        while len(self.hf.layers) < target.config.num_hidden_layers:
             self.hf.layers.append(PreallocatedLayer())
         for layer in self.hf.layers:
             if type(layer) is PreallocatedLayer:
