@@ -576,8 +576,10 @@ static void *thread_buffer(int slot, size_t n) {
 }
 static void *amx_buffer(size_t n) { return thread_buffer(0, n); }
 
+#define AMX_RUN 4  /* blocks whose products share their input rows' tiles (amx_run) */
 /* M input rows made ready for tile products: XS [3][Mp][in] their bfloat16 parts (rows past M zero), S [M][in /
-   32] each group's float32 sum (in order), acc [Mp][NB] room for one block's sums; tiles of R rows */
+   32] each group's float32 sum (in order), acc [AMX_RUN][Mp][NB] room for the sums of AMX_RUN blocks; tiles of R
+   rows */
 static amx_rows amx_prepare(const float *X, int64_t M, int64_t in_f) {
     /* the tile configuration is loaded again in each call: another library on this thread (oneDNN's bfloat16
        products in torch, or another build of this kernel) may have changed or released it since */
@@ -587,9 +589,9 @@ static amx_rows amx_prepare(const float *X, int64_t M, int64_t in_f) {
     a.R = (int)((M + tiles - 1) / tiles);
     a.M = M, a.Mp = tiles * a.R, a.in_f = in_f;
     const int64_t ng = in_f / 32;
-    char *buf = amx_buffer(a.Mp * (6 * in_f + 4 * ng + 8 * NB) + 64);
+    char *buf = amx_buffer(a.Mp * (6 * in_f + 4 * ng + 4 * AMX_RUN * NB) + 64);
     a.acc = (float *)buf;
-    a.XS = (uint16_t *)(a.acc + 2 * a.Mp * NB);
+    a.XS = (uint16_t *)(a.acc + AMX_RUN * a.Mp * NB);
     a.S = (float *)(a.XS + 3 * a.Mp * in_f);
     for (int64_t r = 0; r < a.Mp; r++)
         for (int64_t g = 0; g < ng; g++) {
@@ -613,31 +615,33 @@ static amx_rows amx_prepare(const float *X, int64_t M, int64_t in_f) {
     return a;
 }
 
-/* tiles 0 and 1 += the three parts of rows r0 .. r0 + R - 1 of a, inputs of group g, times tiles 5 and 6 */
-static inline void tile_parts(const amx_rows *a, int64_t r0, int64_t g) {
+/* tiles 2, 3, 4: the three parts of rows r0 .. r0 + R - 1 of a, inputs of group g */
+static inline void load_parts(const amx_rows *a, int64_t r0, int64_t g) {
     const int64_t row = a->in_f * 2;
     _tile_loadd(2, a->XS + r0 * a->in_f + g * 32, row);
     _tile_loadd(3, a->XS + (a->Mp + r0) * a->in_f + g * 32, row);
     _tile_loadd(4, a->XS + (2 * a->Mp + r0) * a->in_f + g * 32, row);
+}
+/* tiles 0 and 1 += the three parts (tiles 2, 3, 4) times tiles 5 and 6 */
+static inline void dot_parts(void) {
     _tile_dpbf16ps(0, 2, 5); _tile_dpbf16ps(1, 2, 6);
     _tile_dpbf16ps(0, 3, 5); _tile_dpbf16ps(1, 3, 6);
     _tile_dpbf16ps(0, 4, 5); _tile_dpbf16ps(1, 4, 6);
 }
+/* tiles 0 and 1 += the three parts of rows r0 .. r0 + R - 1 of a, inputs of group g, times tiles 5 and 6 */
+static inline void tile_parts(const amx_rows *a, int64_t r0, int64_t g) {
+    load_parts(a, r0, g);
+    dot_parts();
+}
 
 /* group g of block Q (the same group of the next block, ahead, prefetched if any): its codes decoded through T into
-   tiles 5 and 6, its d and m (outputs 0-15 and 16-31) as floats */
+   tiles 5 and 6 */
 static inline __attribute__((always_inline)) void amx_group(const unsigned char *Q, int64_t g,
-                                                            const unsigned char *ahead, uint16_t *T, __m512 *d0,
-                                                            __m512 *d1, __m512 *m0, __m512 *m1) {
-    const unsigned char *G = Q + g * QG;
+                                                            const unsigned char *ahead, uint16_t *T) {
     prefetch_group(ahead, g, QG);
-    amx_decode(G + 128, T);
+    amx_decode(Q + g * QG + 128, T);
     _tile_loadd(5, T, 64);
     _tile_loadd(6, T + 512, 64);
-    *d0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)G));
-    *d1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(G + 32)));
-    *m0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(G + 64)));
-    *m1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(G + 96)));
 }
 
 /* C [2][16 x 16]: rows r0 .. r0 + R - 1 of a, inputs of group g, times tiles 5 and 6 (its codes) */
@@ -650,67 +654,81 @@ static inline __attribute__((always_inline)) void group_sums(const amx_rows *a, 
     _tile_stored(1, C[1], 64);
 }
 
-/* amx_block for R = a->M <= 8 rows: the same operations in the same order, each row's sums kept in registers
-   from group to group instead of in acc (two loads and two stores fewer a row and group) */
-static inline __attribute__((always_inline)) void amx_block_rows(const unsigned char *Q, const amx_rows *a,
-                                                                 float *acc, const unsigned char *ahead, const int R) {
-    uint16_t T[2 * 512] __attribute__((aligned(64)));
-    float C[2][16 * 16] __attribute__((aligned(64)));
+/* rows r0 .. r0 + n - 1 of acc += the sums C (rows 0 .. n - 1) of a group g whose d and m (outputs 0-15 and 16-31)
+   are at G: y += d (the group's sum of x q), then y += m (the group's sum of x) */
+static inline __attribute__((always_inline)) void amx_scale(const float C[2][16 * 16], const unsigned char *G,
+                                                            const amx_rows *a, int64_t r0, int64_t n, int64_t g,
+                                                            float *acc) {
     const int64_t ng = a->in_f / 32;
-    __m512 y[8][2];
-    for (int r = 0; r < R; r++) y[r][0] = y[r][1] = _mm512_setzero_ps();
-    amx_config(a->R);
-    for (int64_t g = 0; g < ng; g++) {
-        __m512 d0, d1, m0, m1;
-        amx_group(Q, g, ahead, T, &d0, &d1, &m0, &m1);
-        group_sums(a, 0, g, C);
-        for (int r = 0; r < R; r++) {
-            const __m512 s = _mm512_set1_ps(a->S[r * ng + g]);
-            y[r][0] = _mm512_fmadd_ps(m0, s, _mm512_fmadd_ps(_mm512_load_ps(C[0] + 16 * r), d0, y[r][0]));
-            y[r][1] = _mm512_fmadd_ps(m1, s, _mm512_fmadd_ps(_mm512_load_ps(C[1] + 16 * r), d1, y[r][1]));
-        }
-    }
-    for (int r = 0; r < R; r++) {
-        _mm512_storeu_ps(acc + r * NB, y[r][0]);
-        _mm512_storeu_ps(acc + r * NB + 16, y[r][1]);
+    const __m512 d0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)G));
+    const __m512 d1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(G + 32)));
+    const __m512 m0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(G + 64)));
+    const __m512 m1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(G + 96)));
+    for (int64_t r = 0; r < n; r++) {
+        float *y = acc + (r0 + r) * NB;
+        const __m512 s = _mm512_set1_ps(a->S[(r0 + r) * ng + g]);
+        const __m512 y0 = _mm512_fmadd_ps(_mm512_load_ps(C[0] + 16 * r), d0, _mm512_loadu_ps(y));
+        const __m512 y1 = _mm512_fmadd_ps(_mm512_load_ps(C[1] + 16 * r), d1, _mm512_loadu_ps(y + 16));
+        _mm512_storeu_ps(y, _mm512_fmadd_ps(m0, s, y0));
+        _mm512_storeu_ps(y + 16, _mm512_fmadd_ps(m1, s, y1));
     }
 }
-#define AMXR(R) static __attribute__((noinline)) void amx_rows##R(const unsigned char *Q, const amx_rows *a, \
-                                                                  float *acc, const unsigned char *ahead) { \
-    amx_block_rows(Q, a, acc, ahead, R); }
-AMXR(1) AMXR(2) AMXR(3) AMXR(4) AMXR(5) AMXR(6) AMXR(7) AMXR(8)
-#undef AMXR
-typedef void (*amx_rows_fn)(const unsigned char *, const amx_rows *, float *, const unsigned char *);
-static const amx_rows_fn AMX_ROWS[9] = {0, amx_rows1, amx_rows2, amx_rows3, amx_rows4, amx_rows5, amx_rows6,
-                                        amx_rows7, amx_rows8};
 
-/* acc [M][NB]: the rows of a against block Q (the next block, ahead, prefetched if any) */
+/* acc [M][NB]: the rows of a against block Q (the next block, ahead, prefetched if any), a tile of rows at a time;
+   amx_run does the same for up to 16 rows, faster */
 static void amx_block(const unsigned char *Q, const amx_rows *a, float *acc, const unsigned char *ahead) {
-    if (a->M <= 8) {
-        AMX_ROWS[a->M](Q, a, acc, ahead);
-        return;
-    }
     uint16_t T[2 * 512] __attribute__((aligned(64)));
     float C[2][16 * 16] __attribute__((aligned(64)));
     const int64_t ng = a->in_f / 32;
     amx_config(a->R);
     memset(acc, 0, sizeof(float) * a->M * NB);
     for (int64_t g = 0; g < ng; g++) {
-        __m512 d0, d1, m0, m1;
-        amx_group(Q, g, ahead, T, &d0, &d1, &m0, &m1);
+        amx_group(Q, g, ahead, T);
         for (int64_t r0 = 0; r0 < a->M; r0 += a->R) {
             group_sums(a, r0, g, C);
-            const int64_t n = a->M - r0 < a->R ? a->M - r0 : a->R;
-            for (int64_t r = 0; r < n; r++) {
-                float *y = acc + (r0 + r) * NB;
-                const __m512 s = _mm512_set1_ps(a->S[(r0 + r) * ng + g]);
-                const __m512 y0 = _mm512_fmadd_ps(_mm512_load_ps(C[0] + 16 * r), d0, _mm512_loadu_ps(y));
-                const __m512 y1 = _mm512_fmadd_ps(_mm512_load_ps(C[1] + 16 * r), d1, _mm512_loadu_ps(y + 16));
-                _mm512_storeu_ps(y, _mm512_fmadd_ps(m0, s, y0));
-                _mm512_storeu_ps(y + 16, _mm512_fmadd_ps(m1, s, y1));
-            }
+            amx_scale(C, Q + g * QG, a, r0, a->M - r0 < a->R ? a->M - r0 : a->R, g, acc);
         }
     }
+}
+
+/* acc[j] [M][NB] for j < n <= AMX_RUN: the rows of a (M <= 16: one tile of rows) against the Q4_1 blocks Q[j], by
+   the operations of amx_block in its order (so with its bits), in units of one block's group, group by group.
+   - The rows' three parts go on tiles once a group for all n blocks (amx_block loads them for each block).
+   - A unit's codes are decoded while the unit before it is on the tiles, into the other of two buffers.
+   - A unit's sums are scaled a unit later, from the other of two buffers.
+   So the tiles do not wait for the decoding's stores, nor the scaling for the tiles. ahead[j]: a block whose
+   same groups to prefetch, or 0. */
+static void amx_run(const unsigned char *const *Q, const unsigned char *const *ahead, int n, const amx_rows *a,
+                    float *const *acc) {
+    uint16_t T[2][2 * 512] __attribute__((aligned(64)));
+    float C[2][2][16 * 16] __attribute__((aligned(64)));
+    const int64_t ng = a->in_f / 32, units = ng * n;
+    amx_config(a->R);
+    for (int j = 0; j < n; j++) memset(acc[j], 0, sizeof(float) * a->M * NB);
+    prefetch_group(ahead[0], 0, QG);
+    amx_decode(Q[0] + 128, T[0]);
+    for (int64_t u = 0; u < units; u++) {  /* unit u: group u / n of block u % n */
+        if (u % n == 0) load_parts(a, 0, u / n);
+        _tile_loadd(5, T[u & 1], 64);
+        _tile_loadd(6, T[u & 1] + 512, 64);
+        _tile_zero(0);
+        _tile_zero(1);
+        dot_parts();
+        if (u + 1 < units) {
+            const int64_t g = (u + 1) / n;
+            const int j = (int)((u + 1) % n);
+            prefetch_group(ahead[j], g, QG);
+            amx_decode(Q[j] + g * QG + 128, T[(u + 1) & 1]);
+        }
+        if (u > 0) {
+            const int64_t g = (u - 1) / n;
+            const int j = (int)((u - 1) % n);
+            amx_scale(C[(u - 1) & 1], Q[j] + g * QG, a, 0, a->M, g, acc[j]);
+        }
+        _tile_stored(0, C[u & 1][0], 64);
+        _tile_stored(1, C[u & 1][1], 64);
+    }
+    amx_scale(C[(units - 1) & 1], Q[n - 1] + (ng - 1) * QG, a, 0, a->M, ng - 1, acc[n - 1]);
 }
 
 /* Weights kept in bfloat16 (an EAGLE head's, when drafting without AMX-INT8: `draft_precision`): for each group of 32
@@ -746,16 +764,35 @@ static void bf16_block(const unsigned char *W, const amx_rows *a, float *acc, co
 static void tile_block(const float *P, int64_t b, const amx_rows *a, float *acc, int next) {
     const int64_t size = (a->in_f / 32) * (is_bf16(P) ? BG : QG);
     const unsigned char *W = untag(P) + b * size;
+    const unsigned char *ahead = next ? W + size : 0;
     if (is_bf16(P))
-        bf16_block(W, a, acc, next ? W + size : 0);
+        bf16_block(W, a, acc, ahead);
+    else if (a->M <= 16)
+        amx_run(&W, &ahead, 1, a, &acc);
     else
-        amx_block(W, a, acc, next ? W + size : 0);
+        amx_block(W, a, acc, ahead);
 }
 
 #define AMX_PASS 256  /* input rows per pass of amx_linear */
 /* blocks lo .. hi - 1 of a weight on tiles against the rows of a, into rows c .. c + a->M - 1 of Y */
 static void amx_blocks(const float *P, const amx_rows *a, const float *B, float *Y, int64_t lo, int64_t hi,
                        int64_t out_f, int64_t c) {
+    if (a->M <= 16 && !is_bf16(P)) {  /* runs of AMX_RUN blocks through amx_run */
+        const int64_t size = (a->in_f / 32) * QG;
+        for (int64_t b = lo; b < hi; b += AMX_RUN) {
+            const int n = (int)(hi - b < AMX_RUN ? hi - b : AMX_RUN);
+            const unsigned char *Q[AMX_RUN], *ahead[AMX_RUN];
+            float *acc[AMX_RUN];
+            for (int j = 0; j < n; j++) {
+                Q[j] = untag(P) + (b + j) * size;
+                ahead[j] = b + n + j < hi ? Q[j] + n * size : 0;
+                acc[j] = a->acc + j * a->Mp * NB;
+            }
+            amx_run(Q, ahead, n, a, acc);
+            for (int j = 0; j < n; j++) store_block(Y, acc[j], B, b + j, out_f, c, (int)a->M);
+        }
+        return;
+    }
     for (int64_t b = lo; b < hi; b++) {
         tile_block(P, b, a, a->acc, b + 1 < hi);
         store_block(Y, a->acc, B, b, out_f, c, (int)a->M);
@@ -781,6 +818,24 @@ static void amx_gated(const float *G, const float *U, const float *X, float *Y, 
         for (int64_t c = 0; c < M; c += AMX_PASS) {
             const int64_t rows = M - c < AMX_PASS ? M - c : AMX_PASS;
             const amx_rows a = amx_prepare(X + c * in_f, rows, in_f);
+            if (rows <= 16 && !is_bf16(G) && !is_bf16(U)) {  /* gate and up blocks in runs through amx_run */
+                const int64_t size = (in_f / 32) * QG;
+                for (int64_t b = lo; b < hi; b += AMX_RUN / 2) {
+                    const int n = (int)(hi - b < AMX_RUN / 2 ? hi - b : AMX_RUN / 2);
+                    const unsigned char *Q[AMX_RUN], *ahead[AMX_RUN];
+                    float *acc[AMX_RUN];
+                    for (int j = 0; j < 2 * n; j++) {
+                        Q[j] = untag(j % 2 ? U : G) + (b + j / 2) * size;
+                        ahead[j] = b + n + j / 2 < hi ? Q[j] + n * size : 0;
+                        acc[j] = a.acc + j * a.Mp * NB;
+                    }
+                    amx_run(Q, ahead, 2 * n, &a, acc);
+                    for (int j = 0; j < n; j++)
+                        store_gated(Y, acc[2 * j], acc[2 * j + 1], out_f, (b + j) * NB,
+                                    out_f - (b + j) * NB < NB ? out_f - (b + j) * NB : NB, c, rows);
+                }
+                continue;
+            }
             float *g = a.acc, *u = a.acc + a.Mp * NB;
             for (int64_t b = lo; b < hi; b++) {
                 tile_block(G, b, &a, g, b + 1 < hi);
