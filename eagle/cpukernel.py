@@ -679,7 +679,7 @@ static inline __attribute__((always_inline)) void amx_scale(const float C[2][16 
 }
 
 /* acc [M][NB]: the rows of a against block Q (the next block, ahead, prefetched if any), a tile of rows at a time;
-   amx_run does the same for up to 16 rows, faster */
+   amx_run does the same, with the same bits, for up to 16 rows of a run of blocks, faster */
 static void amx_block(const unsigned char *Q, const amx_rows *a, float *acc, const unsigned char *ahead) {
     uint16_t T[2 * 512] __attribute__((aligned(64)));
     float C[2][16 * 16] __attribute__((aligned(64)));
@@ -768,13 +768,25 @@ static void bf16_block(const unsigned char *W, const amx_rows *a, float *acc, co
 static void tile_block(const float *P, int64_t b, const amx_rows *a, float *acc, int next) {
     const int64_t size = (a->in_f / 32) * (is_bf16(P) ? BG : QG);
     const unsigned char *W = untag(P) + b * size;
-    const unsigned char *ahead = next ? W + size : 0;
     if (is_bf16(P))
-        bf16_block(W, a, acc, ahead);
-    else if (a->M <= 16)
-        amx_run(&W, &ahead, 1, a, &acc);
+        bf16_block(W, a, acc, next ? W + size : 0);
     else
-        amx_block(W, a, acc, ahead);
+        amx_block(W, a, acc, next ? W + size : 0);
+}
+
+/* The n = min(R, hi - b) blocks from block b of each of the k Q4_1 weights W[0 .. k - 1] (a block's k weights side by
+   side), as amx_run takes them: Q, the same blocks of the next run (if below hi) to prefetch, and room for their
+   sums in a; returns n */
+static int amx_run_blocks(const float *const *W, int k, int64_t b, int64_t hi, int R, const amx_rows *a,
+                          const unsigned char **Q, const unsigned char **ahead, float **acc) {
+    const int64_t size = (a->in_f / 32) * QG;
+    const int n = (int)(hi - b < R ? hi - b : R);
+    for (int j = 0; j < k * n; j++) {
+        Q[j] = untag(W[j % k]) + (b + j / k) * size;
+        ahead[j] = b + n + j / k < hi ? Q[j] + n * size : 0;
+        acc[j] = a->acc + j * a->Mp * NB;
+    }
+    return n;
 }
 
 #define AMX_PASS 256  /* input rows per pass of amx_linear */
@@ -782,17 +794,11 @@ static void tile_block(const float *P, int64_t b, const amx_rows *a, float *acc,
 static void amx_blocks(const float *P, const amx_rows *a, const float *B, float *Y, int64_t lo, int64_t hi,
                        int64_t out_f, int64_t c) {
     if (a->M <= 16 && !is_bf16(P)) {  /* runs of blocks through amx_run (AMX_RUN from RUN_ROWS rows, else one) */
-        const int64_t size = (a->in_f / 32) * QG;
         const int R = a->M < RUN_ROWS ? 1 : AMX_RUN;
         for (int64_t b = lo; b < hi; b += R) {
-            const int n = (int)(hi - b < R ? hi - b : R);
             const unsigned char *Q[AMX_RUN], *ahead[AMX_RUN];
             float *acc[AMX_RUN];
-            for (int j = 0; j < n; j++) {
-                Q[j] = untag(P) + (b + j) * size;
-                ahead[j] = b + n + j < hi ? Q[j] + n * size : 0;
-                acc[j] = a->acc + j * a->Mp * NB;
-            }
+            const int n = amx_run_blocks(&P, 1, b, hi, R, a, Q, ahead, acc);
             amx_run(Q, ahead, n, a, acc);
             for (int j = 0; j < n; j++) store_block(Y, acc[j], B, b + j, out_f, c, (int)a->M);
         }
@@ -824,17 +830,12 @@ static void amx_gated(const float *G, const float *U, const float *X, float *Y, 
             const int64_t rows = M - c < AMX_PASS ? M - c : AMX_PASS;
             const amx_rows a = amx_prepare(X + c * in_f, rows, in_f);
             if (rows <= 16 && !is_bf16(G) && !is_bf16(U)) {  /* gate and up blocks in runs through amx_run */
-                const int64_t size = (in_f / 32) * QG;
+                const float *GU[2] = {G, U};
                 const int R = rows < RUN_ROWS ? 1 : AMX_RUN / 2;  /* blocks a run, each its gate and up */
                 for (int64_t b = lo; b < hi; b += R) {
-                    const int n = (int)(hi - b < R ? hi - b : R);
                     const unsigned char *Q[AMX_RUN], *ahead[AMX_RUN];
                     float *acc[AMX_RUN];
-                    for (int j = 0; j < 2 * n; j++) {
-                        Q[j] = untag(j % 2 ? U : G) + (b + j / 2) * size;
-                        ahead[j] = b + n + j / 2 < hi ? Q[j] + n * size : 0;
-                        acc[j] = a.acc + j * a.Mp * NB;
-                    }
+                    const int n = amx_run_blocks(GU, 2, b, hi, R, &a, Q, ahead, acc);
                     amx_run(Q, ahead, 2 * n, &a, acc);
                     for (int j = 0; j < n; j++)
                         store_gated(Y, acc[2 * j], acc[2 * j + 1], out_f, (b + j) * NB,
