@@ -136,3 +136,41 @@ for _ in range(3):
 """
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+
+
+@pytest.mark.parametrize("layers,draft_vocab", [(1, 0), (2, 64)])
+def test_greedy_steps_draft_the_module_paths_bits(monkeypatch, layers, draft_vocab):
+    # a greedy chain through eagle.fastdraft.GreedySteps (kept buffers and addresses, three C calls a step) makes
+    # the module path's calls on the same numbers: the same drafts and the same head cache, round after round,
+    # with several new pairs at once (the causal mask read from a strip) and with a second layer reading the first
+    from eagle.head import EagleHead, HeadConfig
+    from infer.decoder import DecodeConfig
+    from infer.proposer import EagleProposer
+
+    target = tiny_target(hidden=64, dtype=torch.float32)
+    torch.manual_seed(1)
+    head = EagleHead(HeadConfig.for_target(target, num_layers=layers, draft_vocab_size=draft_vocab)).attach(target)
+    if draft_vocab:
+        head.set_draft_vocab(torch.arange(1, 1 + draft_vocab))
+    dec = SpeculativeDecoder(target, head)
+    dec.use_fast_path(True)
+    lm = target.lm_head  # the draft screen, as for SmolLM2's lm_head (this tiny one's plan prefers torch)
+    monkeypatch.setitem(lm.__dict__, "_fast_by_rows", ["kernel"] * len(lm._fast_by_rows))
+    fast, modules = EagleProposer(head), EagleProposer(head)
+    modules._steps = False  # no steps: the module path
+    g = torch.Generator().manual_seed(0)
+    feats, ids = torch.randn(1, 40, 64, generator=g), torch.randint(0, 96, (1, 40), generator=g)
+    cfg = DecodeConfig(mode="chain", num_speculative_tokens=3)
+    at = 0
+    for new in (9, 1, 3, 2, 1, 4):  # pairs committed this round, as the decoder hands them over
+        drafts = [p.propose(feats[:, at:at + new], ids[:, at:at + new], cfg) for p in (fast, modules)]
+        assert torch.equal(drafts[0].tokens, drafts[1].tokens) and torch.equal(drafts[0].parents, drafts[1].parents)
+        assert fast.cache.length == modules.cache.length == at + new + 2
+        for a, b in zip(fast.cache.k + fast.cache.v, modules.cache.k + modules.cache.v):
+            assert torch.equal(a[:, :, :at + new + 2], b[:, :, :at + new + 2])
+        at += new
+        fast.rollback(at), modules.rollback(at)
+    assert fast._steps and not modules._steps
+    if draft_vocab:
+        assert all(1 <= t <= draft_vocab for t in drafts[0].tokens[1:].tolist())
+    dec.use_fast_path(False)

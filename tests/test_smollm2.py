@@ -51,17 +51,20 @@ def test_chain_decoding_is_lossless_with_a_random_head(target, baselines):
 
 
 def test_chain_drafts_through_the_screen_are_the_draft_logits_argmax(target, baselines, monkeypatch):
-    """Greedy chain drafts take the head's argmax through the int8 screen of its draft lm_head rows: the same drafts
-    (so the same accepted lengths) as the argmax of the whole draft logits, and the target's greedy tokens."""
+    """Greedy chain drafts take the head's argmax through the int8 screen of its draft lm_head rows (through
+    `cpukernel.screen_argmax` or `GreedySteps`'s own call): the same drafts (so the same accepted lengths) as the
+    argmax of the whole draft logits, and the target's greedy tokens."""
     from eagle import cpukernel
+    from eagle.fastdraft import GreedySteps
 
     torch.manual_seed(0)
     head = EagleHead(HeadConfig.for_target(target, draft_vocab_size=512)).attach(target)
     head.set_draft_vocab(torch.arange(512) * 64)
     dec = SpeculativeDecoder(target, head)
-    screen, drafted = cpukernel.screen_argmax, []
+    screen, step, drafted = cpukernel.screen_argmax, GreedySteps.step, []
     monkeypatch.setattr(cpukernel, "screen_argmax",
                         lambda x, w: drafted.append(w is head.draft_lm_weight) or screen(x, w))
+    monkeypatch.setattr(GreedySteps, "step", lambda self, *a: drafted.append(True) or step(self, *a))
     for p, base in zip(PROMPTS[:2], baselines):
         on = dec.generate(p, 40, num_speculative_tokens=2)
         off = dec.generate(p, 40, num_speculative_tokens=2, screen_argmax=False)

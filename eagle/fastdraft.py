@@ -1,0 +1,137 @@
+"""An EAGLE-1/2 head's greedy drafting steps on the CPU: the C calls of the module path, without its Python.
+
+A step reads T new (feature, token) pairs into the head's cache and gives the draft screen's argmax after the last
+one. Through the modules (`EagleHead.forward` with each decoder layer in one C call, then
+`cpukernel.screen_argmax`) that is three C calls wrapped in ~40 torch and Python operations, and on a 2-core CPU
+the wrapping took longer than the calls: a k = 1 drafting round 0.45 ms warm, of which 0.22 in C (BENCHMARKS.md,
+thirty-third session). `GreedySteps` makes the same calls on the same numbers, so it drafts the same bits, with
+its buffers and the weights' kernel addresses taken once per decoding:
+
+    steps = GreedySteps.build(head)             # None where the module path would not make these calls
+    token = steps.step(cache, feats, tokens)    # feats [T, H], tokens [T]; the predicted feature: steps.feature(T)
+
+The addresses stay valid while the head's weights and the kernel settings (`cpukernel.AMX`, ...) stay as they were
+at `build`: build again for each decoding (`infer.proposer.EagleProposer` does, at `reset`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from eagle import cpukernel
+from eagle import head as head_module
+from eagle.attention import MAX_ROWS
+from eagle.fastlinear import kernel_rows
+
+
+class GreedySteps:
+    max_rows = MAX_ROWS  # pairs a step reads at most (the module path's limit for a layer in one C call)
+
+    def __init__(self, head):
+        cfg, first = head.config, head.layers[0].self_attn
+        self.head, self.lib = head, cpukernel.library()
+        self.hidden, self.heads, self.kv_heads, self.head_dim = cfg.hidden_size, first.nh, first.nkv, first.hd
+        self.rope_key = (cfg.head_dim, cfg.rope_theta, torch.float32, torch.device("cpu"))
+        self.fc = (cpukernel.packed(head.fc.weight), None if head.fc.bias is None else head.fc.bias.data_ptr())
+        self.layers = []  # per layer: (input norm or None, its eps, post-attention norm, eps, 8 projection
+        for layer in head.layers:  # addresses, gate, up, down, intermediate size)
+            attn, mlp, n1, n2 = layer.self_attn, layer.mlp, layer.input_layernorm, layer.post_attention_layernorm
+            projs = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj)
+            self.layers.append((None if n1 is None else n1.weight.data_ptr(), n1.eps if n1 else 0.0,
+                                n2.weight.data_ptr(), n2.eps,
+                                *(a for p in projs for a in (cpukernel.packed(p.weight),
+                                                             None if p.bias is None else p.bias.data_ptr())),
+                                cpukernel.packed(mlp.gate_proj.weight), cpukernel.packed(mlp.up_proj.weight),
+                                cpukernel.packed(mlp.down_proj.weight), mlp.gate_proj.weight.shape[0]))
+        w = self.screen_weight = head.draft_lm_weight
+        self.tables = q, s, c, n_max, w_max = cpukernel.screen_tables(w)
+        tag = 2 if q.dim() == 6 else 0  # as cpukernel.screen_argmax tags pack_screen_tiles's layout
+        self.screen = (q.data_ptr() | tag, s.data_ptr(), c.data_ptr(), n_max, w_max, w.data_ptr())
+        self.d2t = head.d2t.tolist() if cfg.draft_vocab_size else None
+        H, rows, inter = self.hidden, self.max_rows, max(layer[-1] for layer in self.layers)
+        self.x = torch.empty(rows, 2 * H)                   # fc's input: embedding rows, then the features
+        self.y = torch.empty(3, rows, H)                    # fc's output, then the layers' in turn
+        self.work = torch.empty(rows * (3 * H + inter + (2 * self.heads + 2 * self.kv_heads) * self.head_dim))
+        self.xq = torch.empty(H, dtype=torch.int16)         # the screen's scratch for one row
+        self.best = torch.empty(1, dtype=torch.int64)
+        self.best_value = ctypes.c_int64.from_address(self.best.data_ptr())
+        self.threads = 0
+        self.strip = torch.empty(0, dtype=torch.bool)
+        self.last = 0  # index in y of the last step's output
+
+    @classmethod
+    def build(cls, head) -> GreedySteps | None:
+        """Steps for `head` where its module path drafts greedily through these C calls: an EAGLE-1/2 head without
+        soft-capping, attached, each layer in one C call (`head.LAYER_IN_ONE_CALL`), fc patched and in the draft
+        precision (so multiplied in the kernel), the draft screen taking one row; else None."""
+        if (head.config.head_type != "eagle1" or head.config.logit_softcap or head.embed_tokens is None
+                or not head_module.LAYER_IN_ONE_CALL or not cpukernel.available()):
+            return None
+        w = head.draft_lm_weight
+        with torch.inference_mode():  # the draft precision holds only where no gradient is recorded
+            fits = ("_fast_by_rows" in head.fc.__dict__ and cpukernel.in_draft_precision(head.fc.weight)
+                    and w is not None and w.dtype == torch.float32 and cpukernel.supports(w)
+                    and kernel_rows(head.lm_head, 1) and cpukernel.screen_tables(w) is not None
+                    and all(cpukernel.supports(m.weight) for m in head.layers.modules()
+                            if isinstance(m, torch.nn.Linear))
+                    and all(l.self_attn.hd % 8 == 0 and l.self_attn.hd <= 1024 for l in head.layers))
+            return cls(head) if fits else None
+
+    def feature(self, rows: int) -> torch.Tensor:
+        """The last step's predicted feature after its last pair, [1, H] (overwritten by the next step)."""
+        return self.y[self.last, rows - 1: rows]
+
+    def step(self, cache, feats: torch.Tensor, tokens: torch.Tensor) -> int:
+        """Read pairs (feats [T, H] float32, tokens [T]) into `cache` at its length, as `EagleHead.forward` does,
+        and return the greedy draft token (a target id) after the last one. T <= max_rows."""
+        T, H, lib = tokens.shape[0], self.hidden, self.lib
+        start = cache.length
+        threads = torch.get_num_threads()
+        if threads > self.threads:
+            self.threads, self.scores = threads, torch.empty(self.screen_weight.shape[0] + 2 * threads + 3)
+            self.at = torch.empty(threads, dtype=torch.int64)
+        # 1. fc over the embedding rows and the features
+        torch.cat((self.head.embed(tokens), feats), dim=1, out=self.x[:T])
+        y = self.y
+        lib.rows_linear(self.fc[0], self.x.data_ptr(), self.fc[1], y[0].data_ptr(), H, 2 * H, T, threads)
+        # 2. the decoder layers: rotary rows start .. start + T - 1, causal over the new pairs
+        cos, sin = self._rope(start + T)
+        cos, sin = cos.data_ptr() + 4 * start * self.head_dim, sin.data_ptr() + 4 * start * self.head_dim
+        mask, kind, row_stride = (self._causal(start + T) - start - 1, 1, -1) if T > 1 else (None, 0, 0)
+        src = 0
+        for i, (n1, e1, n2, e2, *projs, gate, up, down, inter) in enumerate(self.layers):
+            k_buf, v_buf = cache.buffers(i, y, (1, self.kv_heads), self.head_dim, start, start + T)
+            dst = 1 + i % 2
+            lib.decoder_layer(y[src].data_ptr(), T, H, n1, e1, n2, e2, *projs, self.heads, self.kv_heads,
+                              self.head_dim, cos, sin, k_buf.data_ptr(), v_buf.data_ptr(), k_buf.stride(1), start,
+                              mask, kind, row_stride, self.head_dim ** -0.5, gate, up, down, inter,
+                              self.work.data_ptr(), y[dst].data_ptr(), threads)
+            src = dst
+        self.last = src
+        cache.length = start + T
+        # 3. the draft screen's argmax of the last row
+        V, scores = self.screen_weight.shape[0], self.scores.data_ptr()
+        left = lib.screen_argmax(*self.screen, self.feature(T).data_ptr(), V, H, 1, scores, scores + 4 * V,
+                                 scores + 4 * (V + threads), self.at.data_ptr(), self.xq.data_ptr(),
+                                 self.best.data_ptr(), threads)
+        best = int(cpukernel.screen_argmax(self.feature(T), self.screen_weight)) if left else self.best_value.value
+        return self.d2t[best] if self.d2t is not None else best
+
+    def _rope(self, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rotary tables (`head.rope_cos_sin`'s rows, [positions >= n, head_dim]) grown to n positions."""
+        table = head_module._ROPE_TABLES.get(self.rope_key)
+        if table is None or table[0].shape[0] < positions:
+            head_module.rope_cos_sin(torch.tensor([[positions - 1]]), *self.rope_key[:3])
+            table = head_module._ROPE_TABLES[self.rope_key]
+        return table
+
+    def _causal(self, keys: int) -> int:
+        """Address c such that, read from c - start - 1 with a row stride of -1, the strip is the causal mask of
+        rows start .. start + T - 1 over keys <= `keys`: its first half is True, its second False, so row m
+        (key j visible when j <= start + m) reads the strip at c - start - 1 - m + j, below c exactly then."""
+        if self.strip.shape[0] < 2 * keys:
+            half = 1 << max(12, (keys - 1).bit_length())
+            self.strip = torch.cat([torch.ones(half, dtype=torch.bool), torch.zeros(half, dtype=torch.bool)])
+        return self.strip.data_ptr() + self.strip.shape[0] // 2
