@@ -64,8 +64,9 @@ class GreedySteps:
     @classmethod
     def build(cls, head) -> GreedySteps | None:
         """Steps for `head` where its module path drafts greedily through these C calls: an EAGLE-1/2 head without
-        soft-capping, attached, each layer in one C call (`head.LAYER_IN_ONE_CALL`), fc patched and in the draft
-        precision (so multiplied in the kernel), the draft screen taking one row; else None."""
+        soft-capping, attached, each layer in one C call (`head.LAYER_IN_ONE_CALL` and `head._kernel_fits`), fc
+        patched and in the draft precision (so multiplied in the kernel), the draft screen taking one row; else
+        None."""
         if (head.config.head_type != "eagle1" or head.config.logit_softcap or head.embed_tokens is None
                 or not head_module.LAYER_IN_ONE_CALL or not cpukernel.available()):
             return None
@@ -76,7 +77,7 @@ class GreedySteps:
                     and kernel_rows(head.lm_head, 1) and cpukernel.screen_tables(w) is not None
                     and all(cpukernel.supports(m.weight) for m in head.layers.modules()
                             if isinstance(m, torch.nn.Linear))
-                    and all(l.self_attn.hd % 8 == 0 and l.self_attn.hd <= 1024 for l in head.layers))
+                    and head_module._kernel_fits(torch.empty(1, 1, head.config.hidden_size), head.config.head_dim))
             return cls(head) if fits else None
 
     def feature(self, rows: int) -> torch.Tensor:
