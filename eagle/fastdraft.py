@@ -10,8 +10,9 @@ its buffers and the weights' kernel addresses taken once per decoding:
     steps = GreedySteps.build(head)             # None where the module path would not make these calls
     token = steps.step(cache, feats, tokens)    # feats [T, H], tokens [T]; the predicted feature: steps.feature(T)
 
-The addresses stay valid while the head's weights and the kernel settings (`cpukernel.AMX`, ...) stay as they were
-at `build`: build again for each decoding (`infer.proposer.EagleProposer` does, at `reset`).
+The steps read the weights as they were at `build` (the kernel copies behind the addresses are held): build again
+for each decoding (`infer.proposer.EagleProposer` does, at `reset`) and after the head's weights or the kernel
+settings (`cpukernel.AMX`, ...) change.
 """
 
 from __future__ import annotations
@@ -35,8 +36,10 @@ class GreedySteps:
         self.hidden, self.heads, self.kv_heads, self.head_dim = cfg.hidden_size, first.nh, first.nkv, first.hd
         self.rope_key = (cfg.head_dim, cfg.rope_theta, torch.float32, torch.device("cpu"))
         self.fc = (cpukernel.packed(head.fc.weight), None if head.fc.bias is None else head.fc.bias.data_ptr())
-        self.layers = []  # per layer: (input norm or None, its eps, post-attention norm, eps, 8 projection
-        for layer in head.layers:  # addresses, gate, up, down, intermediate size)
+        # per layer, `decoder_layer`'s weight arguments: input norm (None for a head's first layer), its eps,
+        # post-attention norm, eps, (weight, bias) of q, k, v and o, gate, up, down, the intermediate size
+        self.layers = []
+        for layer in head.layers:
             attn, mlp, n1, n2 = layer.self_attn, layer.mlp, layer.input_layernorm, layer.post_attention_layernorm
             projs = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj)
             self.layers.append((None if n1 is None else n1.weight.data_ptr(), n1.eps if n1 else 0.0,
@@ -50,6 +53,10 @@ class GreedySteps:
         tag = 2 if q.dim() == 6 else 0  # as cpukernel.screen_argmax tags pack_screen_tiles's layout
         self.screen = (q.data_ptr() | tag, s.data_ptr(), c.data_ptr(), n_max, w_max, w.data_ptr())
         self.d2t = head.d2t.tolist() if cfg.draft_vocab_size else None
+        # the kernels' copies behind those addresses, held so that a copy made again (a weight changed in place,
+        # then multiplied through the modules) cannot free one these steps still read
+        weights = [head.fc.weight, *(m.weight for m in head.layers.modules() if isinstance(m, torch.nn.Linear)), w]
+        self.copies = [v for t in weights for k, v in t.__dict__.items() if k.startswith("_eagle_")]
         H, rows, inter = self.hidden, self.max_rows, max(layer[-1] for layer in self.layers)
         self.x = torch.empty(rows, 2 * H)                   # fc's input: embedding rows, then the features
         self.y = torch.empty(3, rows, H)                    # fc's output, then the layers' in turn
