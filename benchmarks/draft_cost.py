@@ -10,8 +10,9 @@ A drafting round here is what the decoder does between two verifications: the he
 (feature, token) pair into its cache and drafts a chain of k tokens or a dynamic tree (top_k, depth,
 total_tokens), after --context committed pairs; "as decoding drafts", greedy chains go through
 `eagle.fastdraft.GreedySteps` (the same C calls as the modules, without their Python). A head step is one head pass
-through the modules over one new row plus its logits over the draft vocabulary. The target step is one target pass over one new token with the fast path, as greedy
-decoding runs it. Issue 5 asks for a draft step <= 15 % of a target step.
+through the modules over one new row plus its logits over the draft vocabulary. The target step is one target pass
+over one new token with the fast path, as greedy decoding runs it. Issue 5 asks for a draft step <= 15 % of a
+target step.
 """
 
 from __future__ import annotations
