@@ -1248,6 +1248,20 @@ void attention_block(const float *X, int64_t M, int64_t hid,
     rows_linear(Wo, A, Bo, Y, hid, nq, M, nthreads);
 }
 
+/* Cached rows moved down in place: in each of n buffers (B[b] = address, heads, head stride, row stride, row length,
+   in floats), row start + keep[i] of every head goes to row start + i, for i < m in order. keep is ascending with
+   keep[i] >= i (an accepted path's offsets), so no row is overwritten before it is read. */
+void kv_compact(const int64_t *B, int64_t n, int64_t start, const int64_t *keep, int64_t m) {
+    for (int64_t b = 0; b < n; b++) {
+        const int64_t *e = B + 5 * b, H = e[1], sh = e[2], sr = e[3], D = e[4];
+        for (int64_t h = 0; h < H; h++) {
+            float *x = (float *)(intptr_t)e[0] + h * sh + start * sr;
+            for (int64_t i = 0; i < m; i++)
+                if (keep[i] != i) memcpy(x + i * sr, x + keep[i] * sr, (size_t)D * sizeof(float));
+        }
+    }
+}
+
 /* RMS norm of each row: Y[m] = W * (X[m] / sqrt(mean(X[m]^2) + eps)); the sum of squares in a fixed order. */
 void rms_norm(const float *X, const float *W, float *Y, int64_t M, int64_t n, float eps) {
     for (int64_t m = 0; m < M; m++) {
@@ -1851,12 +1865,13 @@ def load(path: Path) -> ctypes.CDLL:
     lib.screen_argmax.argtypes = [vp, vp, vp, ctypes.c_double, ctypes.c_double, vp, vp, i64, i64, i64, vp, vp,
                                   vp, vp, vp, vp, ctypes.c_int]
     lib.screen_argmax.restype = i64
+    lib.kv_compact.argtypes = [vp, i64, i64, vp, i64]
     lib.screen_pairs.argtypes, lib.screen_pairs.restype = [], ctypes.c_int
     lib.screen_tiles.argtypes, lib.screen_tiles.restype = [], ctypes.c_int
     lib.q4_supported.argtypes, lib.q4_supported.restype = [], ctypes.c_int
     lib.amx_enable.argtypes, lib.amx_enable.restype = [], ctypes.c_int
     for fn in (lib.rows_linear, lib.rows_gated, lib.rms_norm, lib.rope, lib.attend, lib.attention_block,
-               lib.decoder_layer, lib.decoder_stack):
+               lib.decoder_layer, lib.decoder_stack, lib.kv_compact):
         fn.restype = None
     return lib
 
@@ -2271,6 +2286,13 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int) 
     (_lib or library()).rope(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), x.shape[0], x.shape[1],
                              x.shape[-1] // head_dim, head_dim, cos.stride(0) if cos.shape[0] > 1 else 0)
     return x
+
+
+def kv_compact(table: torch.Tensor, start: int, keep: torch.Tensor) -> None:
+    """In each buffer of `table` ([n, 5] int64: a float32 buffer [heads, capacity, D] of one sequence, as its address,
+    heads, head stride, row stride and D, in floats), row start + keep[i] of every head moved to row start + i, in
+    place; keep: ascending int64 offsets with keep[i] >= i (contiguous, on the CPU)."""
+    (_lib or library()).kv_compact(table.data_ptr(), table.shape[0], start, keep.data_ptr(), keep.shape[0])
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

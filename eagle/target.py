@@ -241,7 +241,9 @@ class PreallocatedLayer(DynamicLayer):
 
     _k = _v = None  # the buffers [B, kv_heads, capacity, D], or None: keys / values are the tensors assigned
     length = 0  # positions filled, while there are buffers
-    buffers_made = 0  # buffers made so far by any layer (`eagle.fastlinear` keeps their addresses until it grows)
+    # buffers made or dropped so far by any layer (`eagle.fastlinear` and `infer.cache` keep their addresses until it
+    # changes)
+    buffers_made = 0
 
     @property
     def keys(self):
@@ -265,6 +267,7 @@ class PreallocatedLayer(DynamicLayer):
         if self._k is not None:  # the other of keys / values keeps its filled part, as a plain tensor
             self.__dict__["_keys"], self.__dict__["_values"] = self.keys, self.values
             self._k = self._v = None
+            PreallocatedLayer.buffers_made += 1
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from eagle import cpukernel
 from eagle.target import PreallocatedLayer, preallocated_cache
 
 
@@ -55,10 +56,31 @@ class TargetCache:
         """
         m = keep.shape[0]
         contiguous = bool(keep[-1].item() == m - 1)  # a chain's accepted path is a prefix: nothing to move
-        if not contiguous:
+        table = None if contiguous else self._buffer_table()
+        if table is not None:  # every layer's keys and values moved in one C call
+            cpukernel.kv_compact(table, start, keep.to(torch.int64).contiguous())
+        elif not contiguous:
             for layer in self._layers():
                 keys, values = layer.keys, layer.values
                 src = start + keep.to(keys.device)
                 keys[..., start:start + m, :] = keys.index_select(-2, src)
                 values[..., start:start + m, :] = values.index_select(-2, src)
         self.crop(start + m)
+
+    def _buffer_table(self) -> torch.Tensor | None:
+        """`cpukernel.kv_compact`'s table of every layer's key and value buffers where the kernel is built and every
+        layer is a PreallocatedLayer of one sequence with float32 buffers on the CPU (else None); made again when
+        any buffer was made since (`PreallocatedLayer.buffers_made`)."""
+        layers = self.hf.layers
+        kept = self.__dict__.get("_table")
+        if kept is not None and kept[0] == (PreallocatedLayer.buffers_made, len(layers)):
+            return kept[1]
+        table = None
+        if layers and cpukernel.available() and all(
+                type(layer) is PreallocatedLayer and layer._k is not None and layer._k.shape[0] == 1
+                and layer._k.dtype == torch.float32 and layer._k.is_cpu and layer._k.stride(3) == 1
+                and layer._v.stride() == layer._k.stride() for layer in layers):
+            table = torch.tensor([[t.data_ptr(), t.shape[1], t.stride(1), t.stride(2), t.shape[3]]
+                                  for layer in layers for t in (layer._k, layer._v)], dtype=torch.int64)
+        self._table = ((PreallocatedLayer.buffers_made, len(layers)), table)
+        return table
