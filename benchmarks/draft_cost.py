@@ -1,8 +1,8 @@
 """What drafting costs against a target step: ms per drafting round and per head step, as decoding drafts (each
 head layer in one C call, `eagle.head.LAYER_IN_ONE_CALL`; its weights marked by `cpukernel.draft_precision` and
-read in int8 where the CPU has AMX-INT8, else in bfloat16 on AMX tiles), against bfloat16 weights, against the layer
-run in parts (torch operations around C products and attention), against float32 weights and against torch's path,
-interleaved.
+read in int8 where the CPU has AMX-INT8, else in bfloat16 on AMX tiles), against the same C calls made through the
+modules (no `GreedySteps`), against bfloat16 weights, against the layer run in parts (torch operations around C
+products and attention), against float32 weights and against torch's path, interleaved.
 
     .venv/bin/python benchmarks/draft_cost.py --draft runs/demo/head --k 3 --dynamic 2,3,4 4,3,8 [--cold]
 
@@ -75,12 +75,13 @@ def main() -> None:
 
     stock_fits = head_module._kernel_fits
     # (C paths, each head layer in one C call, the head's weights in low precision (`cpukernel.draft_precision`),
-    # in int8 rather than bfloat16)
-    paths = {"as decoding drafts": (stock_fits, True, True, True),
-             "bfloat16 weights": (stock_fits, True, True, False),
-             "layer in parts, attention in C": (stock_fits, False, True, True),
-             "float32 weights": (stock_fits, True, False, True),
-             "torch": (lambda x, head_dim: False, False, True, True)}
+    # in int8 rather than bfloat16, greedy chains through GreedySteps where they fit)
+    paths = {"as decoding drafts": (stock_fits, True, True, True, True),
+             "through the modules": (stock_fits, True, True, True, False),
+             "bfloat16 weights": (stock_fits, True, True, False, True),
+             "layer in parts, attention in C": (stock_fits, False, True, True, True),
+             "float32 weights": (stock_fits, True, False, True, True),
+             "torch": (lambda x, head_dim: False, False, True, True, True)}
     jobs = {name: (lambda cfg=cfg: one_round(cfg)) for name, cfg in settings.items()}
     jobs["one head step"] = head_step
     times: dict[tuple[str, str], list[float]] = {(p, j): [] for p in paths for j in jobs}
@@ -89,8 +90,8 @@ def main() -> None:
     for rnd in range(args.rounds):
         for path in (list(paths) if rnd % 2 == 0 else list(paths)[::-1]):
             (head_module._kernel_fits, head_module.LAYER_IN_ONE_CALL, cpukernel.LOW_PRECISION_DRAFTS,
-             cpukernel.INT8_DRAFTS) = paths[path]
-            proposer._steps = None  # greedy chains' steps (eagle.fastdraft) made again for this path, or none
+             cpukernel.INT8_DRAFTS, steps) = paths[path]
+            proposer._steps = None if steps else False  # greedy chains' steps made again for this path, or none
             for name, fn in jobs.items():
                 fn()  # warm-up
                 for _ in range(args.repeats):

@@ -57,15 +57,26 @@ class GreedySteps:
         # then multiplied through the modules) cannot free one these steps still read
         weights = [head.fc.weight, *(m.weight for m in head.layers.modules() if isinstance(m, torch.nn.Linear)), w]
         self.copies = [v for t in weights for k, v in t.__dict__.items() if k.startswith("_eagle_")]
+        emb = head.embed_tokens
+        # a plain embedding table is read with torch.embedding itself (what its module calls), else the module
+        self.table = emb.weight if type(emb) is torch.nn.Embedding and emb.max_norm is None else None
+        self.scale, self.vocab = self.head_dim ** -0.5, w.shape[0]
+        # the buffers, and their addresses: each torch view or attribute costs microseconds in a drafting round
         H, rows, inter = self.hidden, self.max_rows, max(layer[-1] for layer in self.layers)
         self.x = torch.empty(rows, 2 * H)                   # fc's input: embedding rows, then the features
+        self.x_rows = [self.x[:t] for t in range(rows + 1)]
         self.y = torch.empty(3, rows, H)                    # fc's output, then the layers' in turn
         self.work = torch.empty(rows * (3 * H + inter + (2 * self.heads + 2 * self.kv_heads) * self.head_dim))
         self.xq = torch.empty(H, dtype=torch.int16)         # the screen's scratch for one row
         self.best = torch.empty(1, dtype=torch.int64)
         self.best_value = ctypes.c_int64.from_address(self.best.data_ptr())
+        self.at_x, self.at_y = self.x.data_ptr(), [t.data_ptr() for t in self.y]
+        self.at_work, self.at_xq, self.at_best = self.work.data_ptr(), self.xq.data_ptr(), self.best.data_ptr()
         self.threads = 0
+        self.rope = (0, 0, 0)  # (positions, cos address, sin address) of the rotary tables
         self.strip = torch.empty(0, dtype=torch.bool)
+        # (cache, capacity, per layer (keys, values, head stride) addresses, first key buffer) last seen
+        self.kv = (None, 0, [], None)
         self.last = 0  # index in y of the last step's output
 
     @classmethod
@@ -98,42 +109,51 @@ class GreedySteps:
         start = cache.length
         threads = torch.get_num_threads()
         if threads > self.threads:
-            self.threads, self.scores = threads, torch.empty(self.screen_weight.shape[0] + 2 * threads + 3)
+            self.threads, self.scores = threads, torch.empty(self.vocab + 2 * threads + 3)
             self.at = torch.empty(threads, dtype=torch.int64)
         # 1. fc over the embedding rows and the features
-        torch.cat((self.head.embed(tokens), feats), dim=1, out=self.x[:T])
-        y = self.y
-        lib.rows_linear(self.fc[0], self.x.data_ptr(), self.fc[1], y[0].data_ptr(), H, 2 * H, T, threads)
+        rows = self.head.embed(tokens) if self.table is None else torch.embedding(self.table, tokens)
+        torch.cat((rows, feats), dim=1, out=self.x_rows[T])
+        lib.rows_linear(self.fc[0], self.at_x, self.fc[1], self.at_y[0], H, 2 * H, T, threads)
         # 2. the decoder layers: rotary rows start .. start + T - 1, causal over the new pairs
-        cos, sin = self._rope(start + T)
-        cos, sin = cos.data_ptr() + 4 * start * self.head_dim, sin.data_ptr() + 4 * start * self.head_dim
+        if start + T > self.rope[0]:
+            self._grow_rope(start + T)
+        cos, sin = self.rope[1] + 4 * start * self.head_dim, self.rope[2] + 4 * start * self.head_dim
         mask, kind, row_stride = (self._causal(start + T) - start - 1, 1, -1) if T > 1 else (None, 0, 0)
+        if cache is not self.kv[0] or start + T > self.kv[1] or (cache.k and cache.k[0] is not self.kv[3]):
+            self._cache_buffers(cache, start, start + T)
         src = 0
-        for i, (n1, e1, n2, e2, *projs, gate, up, down, inter) in enumerate(self.layers):
-            k_buf, v_buf = cache.buffers(i, y, (1, self.kv_heads), self.head_dim, start, start + T)
-            dst = 1 + i % 2
-            lib.decoder_layer(y[src].data_ptr(), T, H, n1, e1, n2, e2, *projs, self.heads, self.kv_heads,
-                              self.head_dim, cos, sin, k_buf.data_ptr(), v_buf.data_ptr(), k_buf.stride(1), start,
-                              mask, kind, row_stride, self.head_dim ** -0.5, gate, up, down, inter,
-                              self.work.data_ptr(), y[dst].data_ptr(), threads)
+        for (n1, e1, n2, e2, *projs, gate, up, down, inter), (k, v, k_sh) in zip(self.layers, self.kv[2]):
+            dst = 1 + src % 2 if src else 1
+            lib.decoder_layer(self.at_y[src], T, H, n1, e1, n2, e2, *projs, self.heads, self.kv_heads, self.head_dim,
+                              cos, sin, k, v, k_sh, start, mask, kind, row_stride, self.scale, gate, up, down, inter,
+                              self.at_work, self.at_y[dst], threads)
             src = dst
         self.last = src
         cache.length = start + T
         # 3. the draft screen's argmax of the last row
-        V, scores = self.screen_weight.shape[0], self.scores.data_ptr()
-        left = lib.screen_argmax(*self.screen, self.feature(T).data_ptr(), V, H, 1, scores, scores + 4 * V,
-                                 scores + 4 * (V + threads), self.at.data_ptr(), self.xq.data_ptr(),
-                                 self.best.data_ptr(), threads)
+        V, scores = self.vocab, self.scores.data_ptr()
+        left = lib.screen_argmax(*self.screen, self.at_y[src] + 4 * (T - 1) * H, V, H, 1, scores, scores + 4 * V,
+                                 scores + 4 * (V + threads), self.at.data_ptr(), self.at_xq, self.at_best, threads)
         best = int(cpukernel.screen_argmax(self.feature(T), self.screen_weight)) if left else self.best_value.value
         return self.d2t[best] if self.d2t is not None else best
 
-    def _rope(self, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The rotary tables (`head.rope_cos_sin`'s rows, [positions >= n, head_dim]) grown to n positions."""
+    def _grow_rope(self, positions: int) -> None:
+        """The rotary tables (`head.rope_cos_sin`'s rows, [>= positions, head_dim]) grown to `positions`."""
         table = head_module._ROPE_TABLES.get(self.rope_key)
         if table is None or table[0].shape[0] < positions:
             head_module.rope_cos_sin(torch.tensor([[positions - 1]]), *self.rope_key[:3])
             table = head_module._ROPE_TABLES[self.rope_key]
-        return table
+        self.rope_tables = table  # held: the addresses below point into them
+        self.rope = (table[0].shape[0], table[0].data_ptr(), table[1].data_ptr())
+
+    def _cache_buffers(self, cache, start: int, end: int) -> None:
+        """Every layer's key and value buffers in `cache` with room for `end` positions (`HeadCache.buffers`), and
+        their addresses."""
+        bufs = [cache.buffers(i, self.y, (1, self.kv_heads), self.head_dim, start, end)
+                for i in range(len(self.layers))]
+        self.kv = (cache, bufs[0][0].shape[2], [(k.data_ptr(), v.data_ptr(), k.stride(1)) for k, v in bufs],
+                   bufs[0][0])
 
     def _causal(self, keys: int) -> int:
         """Address c such that, read from c - start - 1 with a row stride of -1, the strip is the causal mask of

@@ -173,4 +173,14 @@ def test_greedy_steps_draft_the_module_paths_bits(monkeypatch, layers, draft_voc
     assert fast._steps and not modules._steps
     if draft_vocab:
         assert all(1 <= t <= draft_vocab for t in drafts[0].tokens[1:].tolist())
+    if layers == 1:  # past 4,096 positions: the rotary table and the mask strip grow
+        long_feats, long_ids = torch.randn(1, 4200, 64, generator=g), torch.randint(0, 96, (1, 4200), generator=g)
+        for p in (fast, modules):
+            p.rollback(at)
+            p.propose(long_feats, long_ids, cfg)  # more pairs than a step takes: the module path for both
+            p.rollback(at + 4200)
+        drafts = [p.propose(feats[:, :3], ids[:, :3], cfg) for p in (fast, modules)]
+        assert torch.equal(drafts[0].tokens, drafts[1].tokens) and fast.cache.length == modules.cache.length
+        for a, b in zip(fast.cache.k + fast.cache.v, modules.cache.k + modules.cache.v):
+            assert torch.equal(a[:, :, :fast.cache.length], b[:, :, :fast.cache.length])
     dec.use_fast_path(False)
