@@ -385,11 +385,13 @@ class NgramIndex:
         return []
 
 
-def merge_chain(draft: Draft, chain: list[int], start: int = 0) -> Draft:
+def merge_chain(draft: Draft, chain: list[int], start: int = 0, shapes: dict | None = None) -> Draft:
     """`draft` with `chain` added as a path below node `start` (the root by default): each token is a child of the
     one before it, reusing a node the draft already has for it. `lookup` marks the chain's nodes (and those of
     chains merged into `draft` before) and `drafted` the proposer's own, for sampling; new nodes get zero rows of q
-    (their children, if any, are lookup nodes too)."""
+    (their children, if any, are lookup nodes too). `shapes` (a dict the caller keeps) holds the tensors of each
+    tree shape seen (parents, ancestor mask, depths, lookup and drafted marks) for the next draft of that shape:
+    a drafting round repeats a few shapes, and making them costs more than the rest of the merge."""
     toks, pars = draft.tokens.tolist(), draft.parents.tolist()
     child = {(p, t): i for i, (p, t) in enumerate(zip(pars, toks))}  # (parent, token) -> node
     n0, node, on_chain = len(toks), start, []
@@ -405,18 +407,27 @@ def merge_chain(draft: Draft, chain: list[int], start: int = 0) -> Draft:
     for i in on_chain:
         lookup[i] = True
     drafted = (draft.drafted.tolist() if draft.drafted is not None else [True] * n0) + [False] * new
-    lookup, drafted = torch.tensor(lookup), torch.tensor(drafted)
+    key = (tuple(pars), tuple(lookup), tuple(drafted), n0)
+    shape = shapes.get(key) if shapes is not None else None
+    if shape is None:
+        parents = torch.tensor(pars) if new else draft.parents
+        if new:
+            depth = draft.depth.tolist()
+            for p in pars[n0:]:
+                depth.append(depth[p] + 1)
+            shape = (parents, tree.ancestor_mask(parents), torch.tensor(depth), torch.tensor(lookup),
+                     torch.tensor(drafted))
+        else:
+            shape = (parents, draft.node_mask, draft.depth, torch.tensor(lookup), torch.tensor(drafted))
+        if shapes is not None and len(shapes) < 4096:
+            shapes[key] = shape
+    parents, node_mask, depth, lookup, drafted = shape
     q = draft.q
     if not new:
-        return Draft(draft.tokens, draft.parents, q, draft.node_mask, draft.depth, lookup, drafted)
+        return Draft(draft.tokens, parents, q, node_mask, depth, lookup, drafted)
     if q is not None:
         q = torch.cat([q, q.new_zeros(new, q.shape[1])])
-    depth = draft.depth.tolist()
-    for p in pars[n0:]:
-        depth.append(depth[p] + 1)
-    parents = torch.tensor(pars)
-    return Draft(torch.tensor(toks, device=draft.tokens.device), parents, q, tree.ancestor_mask(parents),
-                 torch.tensor(depth), lookup, drafted)
+    return Draft(torch.tensor(toks, device=draft.tokens.device), parents, q, node_mask, depth, lookup, drafted)
 
 
 class LookupProposer:
@@ -428,6 +439,7 @@ class LookupProposer:
     def __init__(self, inner=None):
         self.inner = inner
         self.index: NgramIndex | None = None
+        self._shapes: dict = {}  # merge_chain's tensors of each tree shape seen
 
     def reset(self, prompt_ids: list[int] | None = None) -> None:
         self.index = None
@@ -446,7 +458,7 @@ class LookupProposer:
         chain = self.index.draft(m)
         if self.inner is None:
             return Draft.chain(tokens[0, -1], torch.tensor(chain, dtype=torch.long, device=tokens.device))
-        draft = merge_chain(self.inner.propose(feats, tokens, cfg, generator), chain)
+        draft = merge_chain(self.inner.propose(feats, tokens, cfg, generator), chain, shapes=self._shapes)
         if cfg.prompt_lookup_after_drafts and cfg.temperature <= 0:
             # lookups after the drafted path to each leaf of the proposer's own tree (a node below the root no
             # other node descends from), from that leaf on
@@ -457,5 +469,5 @@ class LookupProposer:
             for leaf in leaves:
                 more = self.index.draft(m, toks[tree.path_to(node_mask, leaf)[1:]].tolist())
                 if more:
-                    draft = merge_chain(draft, more, start=leaf)
+                    draft = merge_chain(draft, more, start=leaf, shapes=self._shapes)
         return draft

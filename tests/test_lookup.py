@@ -128,6 +128,14 @@ def test_merge_chain_shares_the_prefix_it_agrees_with():
     q = torch.rand(4, 20)
     mq = merge_chain(Draft(d.tokens, d.parents, q), [11, 14, 15])
     assert mq.q.shape == (6, 20) and torch.equal(mq.q[:4], q) and not mq.q[4:].any()
+    # with a dict of shapes: the same drafts, and a second draft of the same shape reuses the first one's tensors
+    shapes = {}
+    a = merge_chain(d, [11, 14, 15], shapes=shapes)
+    b = merge_chain(Draft(torch.tensor([20, 21, 22, 23]), d.parents), [21, 24, 25], shapes=shapes)
+    for x in (a, b):
+        assert torch.equal(x.parents, m.parents) and torch.equal(x.node_mask, m.node_mask)
+        assert torch.equal(x.depth, m.depth) and torch.equal(x.lookup, m.lookup) and torch.equal(x.drafted, m.drafted)
+    assert b.tokens.tolist() == [20, 21, 22, 23, 24, 25] and b.parents is a.parents and len(shapes) == 1
 
 
 @pytest.fixture(scope="module")
