@@ -124,7 +124,7 @@ class GreedySteps:
             self._cache_buffers(cache, start, start + T)
         src = 0
         for (n1, e1, n2, e2, *projs, gate, up, down, inter), (k, v, k_sh) in zip(self.layers, self.kv[2]):
-            dst = 1 + src % 2 if src else 1
+            dst = 2 if src == 1 else 1  # y[1] and y[2] in turn
             lib.decoder_layer(self.at_y[src], T, H, n1, e1, n2, e2, *projs, self.heads, self.kv_heads, self.head_dim,
                               cos, sin, k, v, k_sh, start, mask, kind, row_stride, self.scale, gate, up, down, inter,
                               self.at_work, self.at_y[dst], threads)
