@@ -4,7 +4,8 @@ Every detail of transformers' cache classes lives here and in `eagle.target.prea
 internals change between releases. The cache is a `DynamicCache` built without the model config, so every layer
 keeps all positions (no sliding-window eviction); positions are then plain indices along the sequence axis. Its
 layers write new keys and values into a buffer that grows by doubling (gpt-fast style) instead of concatenating
-(a copy of the whole cache per layer per step), and crop / compact only move the length.
+(a copy of the whole cache per layer per step). crop only moves the length; compact moves just the accepted
+rows that are not in place yet (every layer's in one C call, `cpukernel.kv_compact`, where the kernel is built).
 """
 
 from __future__ import annotations
