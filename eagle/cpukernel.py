@@ -221,6 +221,16 @@ static inline const unsigned char *untag(const float *P) {
 static inline const unsigned char *q4_block(const float *P, int64_t b, int64_t in_f) {
     return untag(P) + b * (in_f / 32) * QG;
 }
+/* Weights that are GGUF Q8_0 blocks dequantized to float32 (w = fl(d q) for one fp16 d per 32 consecutive inputs of
+   an output, q in -128..127; SmolLM2's tied embedding and lm_head), read in that form on the FMA path: 1.06 bytes a
+   weight instead of 4, decoded to the same float32 values, so every product keeps the float32 path's bits (with AMX
+   too). Layout of block b, for each group g of 32 inputs, Q8G bytes: d[32] as float16, then for each input of the
+   group 32 bytes, byte j holding output j's q. Tagged 5. */
+#define Q8G (64 + 32 * 32)
+static inline int is_q8(const float *P) { return ((uintptr_t)P & 7) == 5; }
+static inline const unsigned char *q8_block(const float *P, int64_t b, int64_t in_f) {
+    return untag(P) + b * (in_f / 32) * Q8G;
+}
 /* group g (of `bytes` bytes) of the block at `ahead` into L2, if there is one */
 static inline void prefetch_group(const unsigned char *ahead, int64_t g, int bytes) {
     if (ahead)
@@ -272,6 +282,11 @@ static inline void q4_decode(const unsigned char *c, const vw *d, const vw *m, v
     w[0] = (vw)_mm512_add_ps((__m512)p0, (__m512)m[0]);
     w[1] = (vw)_mm512_add_ps((__m512)p1, (__m512)m[1]);
 }
+static inline void q8_decode(const unsigned char *c, const vw *d, vw *w) {
+    for (int j = 0; j < NV; j++)
+        w[j] = (vw)_mm512_mul_ps((__m512)d[j], _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+            _mm_loadu_si128((const __m128i *)(c + 16 * j)))));
+}
 #define Q4_OK 1
 #elif defined(__AVX2__) && defined(__F16C__)
 static inline vw load_half(const unsigned char *p) { return (vw)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
@@ -283,6 +298,11 @@ static inline void q4_decode(const unsigned char *c, const vw *d, const vw *m, v
         w[h] = (vw)_mm256_add_ps(_mm256_mul_ps((__m256)d[h], (__m256)lo), (__m256)m[h]);
         w[2 + h] = (vw)_mm256_add_ps(_mm256_mul_ps((__m256)d[2 + h], (__m256)hi), (__m256)m[2 + h]);
     }
+}
+static inline void q8_decode(const unsigned char *c, const vw *d, vw *w) {
+    for (int j = 0; j < NV; j++)
+        w[j] = (vw)_mm256_mul_ps((__m256)d[j], _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+            _mm_loadl_epi64((const __m128i *)(c + 8 * j)))));
 }
 #define Q4_OK 1
 #else
@@ -301,17 +321,37 @@ static inline const unsigned char *q4_group(const unsigned char *Q, int64_t g, c
     }
     return G;
 }
+/* the same for a Q8_0 block (d only) */
+static inline const unsigned char *q8_group(const unsigned char *Q, int64_t g, const unsigned char *ahead, vw *d) {
+    const unsigned char *G = Q + g * Q8G;
+    prefetch_group(ahead, g, Q8G);
+    for (int j = 0; j < NV; j++) d[j] = load_half(G + 2 * j * (NB / NV));
+    return G;
+}
+/* weight k of a group (its input g * 32 + k) for the block's 32 outputs, decoded: Q8_0 codes when q8, else Q4_1 */
+static inline __attribute__((always_inline)) void decode_codes(const unsigned char *G, int k, const vw *d,
+                                                                const vw *m, vw *w, int q8) {
+    if (q8)
+        q8_decode(G + 64 + 32 * k, d, w);
+    else
+        q4_decode(G + 128 + 16 * k, d, m, w);
+}
+static inline __attribute__((always_inline)) const unsigned char *codes_group(const unsigned char *Q, int64_t g,
+                                                                               const unsigned char *ahead, vw *d,
+                                                                               vw *m, int q8) {
+    return q8 ? q8_group(Q, g, ahead, d) : q4_group(Q, g, ahead, d, m);
+}
 static inline __attribute__((always_inline)) void tile_q4(const unsigned char *Q, const float *X, int64_t in_f, int R,
-                                                           float *acc, const unsigned char *ahead) {
+                                                           float *acc, const unsigned char *ahead, int q8) {
     vw a[RMAX][NV];
     for (int r = 0; r < R; r++)
         for (int j = 0; j < NV; j++) a[r][j] = (vw){0};
     for (int64_t g = 0; g < in_f / 32; g++) {
         vw d[NV], m[NV];
-        const unsigned char *G = q4_group(Q, g, ahead, d, m);
+        const unsigned char *G = codes_group(Q, g, ahead, d, m, q8);
         for (int k = 0; k < 32; k++) {
             vw w[NV];
-            q4_decode(G + 128 + 16 * k, d, m, w);
+            decode_codes(G, k, d, m, w, q8);
             const int64_t i = g * 32 + k;
             for (int r = 0; r < R; r++) {
                 const vw x = splatw(X[r * in_f + i]);
@@ -323,12 +363,17 @@ static inline __attribute__((always_inline)) void tile_q4(const unsigned char *Q
 }
 #define QT4(R) static __attribute__((noinline)) void q4tile##R(const unsigned char *Q, const float *X, int64_t in_f, \
                                                                float *acc, const unsigned char *ahead) { \
-    tile_q4(Q, X, in_f, R < RMAX ? R : RMAX, acc, ahead); }
+    tile_q4(Q, X, in_f, R < RMAX ? R : RMAX, acc, ahead, 0); } \
+static __attribute__((noinline)) void q8tile##R(const unsigned char *Q, const float *X, int64_t in_f, float *acc, \
+                                                const unsigned char *ahead) { \
+    tile_q4(Q, X, in_f, R < RMAX ? R : RMAX, acc, ahead, 1); }
 QT4(1) QT4(2) QT4(3) QT4(4) QT4(5) QT4(6) QT4(7) QT4(8) QT4(9) QT4(10) QT4(11) QT4(12)
 #undef QT4
 typedef void (*q4tile_fn)(const unsigned char *, const float *, int64_t, float *, const unsigned char *);
 static const q4tile_fn Q4TILES[13] = {0, q4tile1, q4tile2, q4tile3, q4tile4, q4tile5, q4tile6, q4tile7, q4tile8,
                                       q4tile9, q4tile10, q4tile11, q4tile12};
+static const q4tile_fn Q8TILES[13] = {0, q8tile1, q8tile2, q8tile3, q8tile4, q8tile5, q8tile6, q8tile7, q8tile8,
+                                      q8tile9, q8tile10, q8tile11, q8tile12};
 #endif
 #if Q4_OK
 /* acc[r * NB + j] += sum over the 32 inputs of a group (decoded into S [32][NB]) of S[k, j] X[r, k], for r < R,
@@ -357,18 +402,19 @@ static const carry_fn CARRIES[13] = {0, carry1, carry2, carry3, carry4, carry5, 
                                      carry10, carry11, carry12};
 
 #define MANY 96  /* rows per pass of q4_many: its sums [MANY][NB] stay in L1 */
-/* acc [M][NB] for M <= MANY rows (more than one tile) against block Q of a Q4_1 weight: each group is decoded once
-   into S, then every row tile multiplies it, its sums carried in acc (the same sums, in the same order, as tile_q4) */
+/* acc [M][NB] for M <= MANY rows (more than one tile) against block Q of a Q4_1 weight (Q8_0 when q8): each group
+   is decoded once into S, then every row tile multiplies it, its sums carried in acc (the same sums, in the same
+   order, as tile_q4) */
 static void q4_many(const unsigned char *Q, const float *X, int64_t in_f, int64_t M, float *acc,
-                    const unsigned char *ahead) {
+                    const unsigned char *ahead, int q8) {
     float S[32 * NB] __attribute__((aligned(64)));
     memset(acc, 0, sizeof(float) * M * NB);
     for (int64_t g = 0; g < in_f / 32; g++) {
         vw d[NV], m[NV];
-        const unsigned char *G = q4_group(Q, g, ahead, d, m);
+        const unsigned char *G = codes_group(Q, g, ahead, d, m, q8);
         for (int k = 0; k < 32; k++) {
             vw w[NV];
-            q4_decode(G + 128 + 16 * k, d, m, w);
+            decode_codes(G, k, d, m, w, q8);
             memcpy(S + k * NB, w, sizeof w);
         }
         for (int64_t m0 = 0; m0 < M;) {
@@ -399,6 +445,10 @@ static inline void block_tile(const float *P, int64_t b, int next, const float *
         Q4TILES[R](q4_block(P, b, in_f), X, in_f, acc, next && t == 0 ? q4_block(P, b + 1, in_f) : 0);
         return;
     }
+    if (is_q8(P)) {
+        Q8TILES[R](q8_block(P, b, in_f), X, in_f, acc, next && t == 0 ? q8_block(P, b + 1, in_f) : 0);
+        return;
+    }
 #endif
     int n;
     const float *ahead = ahead_share(next ? P + (b + 1) * in_f * NB : 0, in_f, t, T, &n);
@@ -427,12 +477,13 @@ static void linear_blocks(const float *P, const float *X, const float *B, float 
             continue;
         }
 #if Q4_OK
-        if (is_q4(P) && M > RMAX) {
+        if ((is_q4(P) || is_q8(P)) && M > RMAX) {
             float many[MANY * NB] __attribute__((aligned(64)));
+            const int q8 = is_q8(P);
             for (int64_t m0 = 0; m0 < M; m0 += MANY) {
                 const int64_t R = M - m0 < MANY ? M - m0 : MANY;
-                q4_many(q4_block(P, b, in_f), X + m0 * in_f, in_f, R, many,
-                        b + 1 < hi && m0 == 0 ? q4_block(P, b + 1, in_f) : 0);
+                q4_many(q8 ? q8_block(P, b, in_f) : q4_block(P, b, in_f), X + m0 * in_f, in_f, R, many,
+                        b + 1 < hi && m0 == 0 ? (q8 ? q8_block(P, b + 1, in_f) : q4_block(P, b + 1, in_f)) : 0, q8);
                 store_block(Y, many, B, b, out_f, m0, (int)R);
             }
             b++;
@@ -880,8 +931,8 @@ static void gated_chunk(const float *G, const float *U, const float *X, float *Y
             for (int64_t m0 = 0; m0 < M; m0 += MANY) {
                 const int64_t R = M - m0 < MANY ? M - m0 : MANY;
                 const int first = b + 1 < nblk && m0 == 0;
-                q4_many(q4_block(G, b, in_f), X + m0 * in_f, in_f, R, gm, first ? q4_block(G, b + 1, in_f) : 0);
-                q4_many(q4_block(U, b, in_f), X + m0 * in_f, in_f, R, um, first ? q4_block(U, b + 1, in_f) : 0);
+                q4_many(q4_block(G, b, in_f), X + m0 * in_f, in_f, R, gm, first ? q4_block(G, b + 1, in_f) : 0, 0);
+                q4_many(q4_block(U, b, in_f), X + m0 * in_f, in_f, R, um, first ? q4_block(U, b + 1, in_f) : 0, 0);
                 store_gated(Y, gm, um, out_f, o0, n, m0, R);
             }
             continue;
@@ -1994,6 +2045,57 @@ def q4_1_weight(out_f: int, in_f: int, generator: torch.Generator) -> torch.Tens
     return (d * q.float() + m).reshape(out_f, in_f)
 
 
+def q8_0_codes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(q [out, in] int8, d [out, in / 32] float32) with weight[o, i] == fl(d q) bit for bit, d a float16 value per
+    group of 32 inputs: the form of a GGUF Q8_0 tensor dequantized to float32 (SmolLM2's embedding, tied to its
+    lm_head); None for any other weight. d is the float16 nearest max |w| / 127 or one of its neighbours, q = w / d
+    rounded, and every value is checked; a weight whose first row is not in that form is turned down at once."""
+    w = weight.detach()
+    out_f, in_f = w.shape
+    if in_f % 32 or w.dtype != torch.float32 or not out_f:
+        return None
+    for rows in (w[:1], w):  # the first row alone first: most weights are not in this form
+        g = rows.reshape(rows.shape[0], in_f // 32, 32)
+        d16 = (g.abs().amax(-1, keepdim=True) / 127).half()
+        d_out, q_out = torch.zeros_like(g[..., :1]), torch.zeros(g.shape, dtype=torch.int8)
+        done = torch.zeros_like(d_out, dtype=torch.bool)
+        for step in (0, -1, 1, -2, 2):
+            d = (d16.view(torch.int16) + step).view(torch.float16).float() if step else d16.float()
+            d = torch.where(d > 0, d, 0.0)  # a step below the float16 zero; 0 stands for all-zero groups
+            q = torch.where(d > 0, (g / d).round(), 0.0)
+            ok = (q.abs() <= 127).all(-1, keepdim=True) & ((d * q).view(torch.int32) == g.view(torch.int32)).all(
+                -1, keepdim=True) & ~done
+            d_out, q_out = torch.where(ok, d, d_out), torch.where(ok, q.to(torch.int8), q_out)
+            done |= ok
+        if not bool(done.all()):
+            return None
+    return q_out.reshape(out_f, in_f), d_out.squeeze(-1)
+
+
+def q8_0_weight(out_f: int, in_f: int, generator: torch.Generator) -> torch.Tensor:
+    """A random weight in the form `q8_0_codes` finds (for tests): float16 d in [0, 0.02) per 32 inputs of an
+    output, codes in -127..127 with 127 and -127 in every group (ggml's quantizer gives a group's largest magnitude
+    the code 127), then `d * q` in float32 as transformers computes it."""
+    d = (torch.rand(out_f, in_f // 32, 1, generator=generator) * 0.02).half().float()
+    q = torch.randint(-127, 128, (out_f, in_f // 32, 32), generator=generator)
+    q[..., 0], q[..., 1] = 127, -127
+    return (d * q.float()).reshape(out_f, in_f)
+
+
+def pack_q8(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """The FMA kernels' Q8_0 layout (see the C source) of codes q [out, in] (int8) with d [out, in / 32] (float16
+    values): [ceil(out / PACK), in / 32, 1088] bytes, for each block of 32 outputs and group of 32 inputs the 32 d
+    as float16, then each input's 32 codes; padding outputs decode to zero."""
+    out_f, in_f = q.shape
+    pad = -out_f % PACK
+    q = torch.nn.functional.pad(q, (0, 0, 0, pad))
+    d = torch.nn.functional.pad(d.half(), (0, 0, 0, pad))
+    nb, ng = q.shape[0] // PACK, in_f // 32
+    codes = q.reshape(nb, PACK, ng, 32).permute(0, 2, 3, 1).reshape(nb, ng, 32 * PACK).view(torch.uint8)
+    scales = d.reshape(nb, PACK, ng).permute(0, 2, 1).contiguous().view(torch.uint8)  # [nb, ng, 2 * PACK]
+    return torch.cat([scales, codes], dim=-1).contiguous()
+
+
 def pack_q4(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, amx: bool = False) -> torch.Tensor:
     """The product kernels' Q4_1 layout (see the C source) of codes q [out, in] with d, m [out, in / 32] (float16
     values, as in a GGUF Q4_1 tensor): [ceil(out / PACK), in / 32, 640] bytes, d and m kept as float16; padding
@@ -2078,13 +2180,18 @@ def _pack_i8(weight: torch.Tensor) -> tuple[torch.Tensor, int]:
 
 def _pack_any(weight: torch.Tensor) -> tuple[torch.Tensor, int]:
     """(the kept layout, the address the kernels take): Q4_1 codes where the weight has that form and the kernel
-    decodes it (the address tagged 2 for AMX tiles, else 1), else `pack`'s float32 layout."""
+    decodes it (the address tagged 2 for AMX tiles, else 1), Q8_0 codes where it has that one (tagged 5: the FMA
+    path, the float32 layout's bits), else `pack`'s float32 layout."""
     if Q4_1 and _q4_ok():
         form = q4_1_codes(weight)
         if form is not None:
             amx = amx_on()
             layout = pack_q4(*form, amx=amx)
             return layout, layout.data_ptr() | (2 if amx else 1)
+        form8 = q8_0_codes(weight)
+        if form8 is not None:
+            layout = pack_q8(*form8)
+            return layout, layout.data_ptr() | 5
     layout = pack(weight)
     return layout, layout.data_ptr()
 

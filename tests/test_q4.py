@@ -1,4 +1,4 @@
-"""Weights dequantized from GGUF Q4_1 are read in that form (eagle.cpukernel.packed) and keep every bit."""
+"""Weights dequantized from GGUF Q4_1 or Q8_0 are read in that form (eagle.cpukernel.packed) and keep every bit."""
 
 import pytest
 import torch
@@ -68,3 +68,28 @@ def test_decoding_a_q4_1_target_is_the_same_with_and_without_the_codes(monkeypat
         greedy = dec.generate(prompt, max_new_tokens=24, speculative=False).token_ids
         assert cpukernel.packed(layer) & 3 == 2
         assert dec.generate(prompt, max_new_tokens=24, num_speculative_tokens=3).token_ids == greedy
+
+
+def test_q8_0_form_is_found_and_its_products_give_the_float32_bits(monkeypatch):
+    # a GGUF Q8_0 weight (SmolLM2's lm_head) is read as int8 codes and float16 scales on the FMA path, with AMX on
+    # too: the same float32 values and sums, so the float32 layout's bits, for every row count
+    g = torch.Generator().manual_seed(3)
+    w, b = cpukernel.q8_0_weight(100, 64, g), torch.randn(100, generator=g)
+    q, d = cpukernel.q8_0_codes(w)
+    assert q.dtype == torch.int8 and d.shape == (100, 2)
+    assert torch.equal((d.repeat_interleave(32, 1) * q.float()).view(torch.int32), w.view(torch.int32))
+    assert cpukernel.pack_q8(q, d).shape == (4, 2, 1088)
+    assert cpukernel.q8_0_codes(torch.randn(64, 64, generator=g)) is None
+    nudged = w.clone()
+    nudged[50, 9] = torch.nextafter(nudged[50, 9], torch.tensor(1.0))
+    assert cpukernel.q8_0_codes(nudged) is None and cpukernel.q8_0_codes(torch.zeros(32, 64)) is not None
+    gate, up = cpukernel.q8_0_weight(96, 64, g), cpukernel.q8_0_weight(96, 64, g)
+    x = torch.randn(130, 64, generator=g)
+    for rows in (1, 2, 3, 4, 8, 12, 13, 17, 30, 130):  # one tile; several, each group decoded once; passes of 96
+        monkeypatch.setattr(cpukernel, "Q4_1", True)
+        assert cpukernel.packed(w) & 7 == 5  # read as Q8_0 codes
+        q8 = cpukernel.rows_linear(x[:rows], w, b), cpukernel.rows_gated(x[:rows], gate, up)
+        monkeypatch.setattr(cpukernel, "Q4_1", False)
+        assert cpukernel.packed(w) & 7 == 0  # the float32 copy
+        f32 = cpukernel.rows_linear(x[:rows], w, b), cpukernel.rows_gated(x[:rows], gate, up)
+        assert all(torch.equal(a, c) for a, c in zip(q8, f32))
