@@ -30,18 +30,23 @@ def test_q4_products_give_the_float32_products_bits(monkeypatch):
     # the FMA path: the same float32 weights and the same sums in the same order, so the same bits, for every row
     # count
     monkeypatch.setattr(cpukernel, "AMX", False)
-    g = torch.Generator().manual_seed(1)
-    w, b = cpukernel.q4_1_weight(100, 64, g), torch.randn(100, generator=g)
-    gate, up = cpukernel.q4_1_weight(96, 64, g), cpukernel.q4_1_weight(96, 64, g)
+    _codes_give_the_float32_bits(monkeypatch, cpukernel.q4_1_weight, 1, tag=1)
+
+
+def _codes_give_the_float32_bits(monkeypatch, make, seed: int, tag: int) -> None:
+    """Products and gated products of weights from `make` read as codes (`packed` tagged `tag`) against their float32
+    copies, at every row count: one tile; several, each group decoded once; passes of 96."""
+    g = torch.Generator().manual_seed(seed)
+    w, b = make(100, 64, g), torch.randn(100, generator=g)
+    gate, up = make(96, 64, g), make(96, 64, g)
     x = torch.randn(130, 64, generator=g)
-    for rows in (1, 2, 3, 4, 8, 12, 13, 17, 30, 130):  # one tile; several, each group decoded once; passes of 96
-        monkeypatch.setattr(cpukernel, "Q4_1", True)
-        assert cpukernel.packed(w) & 3 == 1  # read as Q4_1 codes
-        q4 = cpukernel.rows_linear(x[:rows], w, b), cpukernel.rows_gated(x[:rows], gate, up)
-        monkeypatch.setattr(cpukernel, "Q4_1", False)
-        assert not cpukernel.packed(w) & 1  # the float32 copy
-        f32 = cpukernel.rows_linear(x[:rows], w, b), cpukernel.rows_gated(x[:rows], gate, up)
-        assert all(torch.equal(a, c) for a, c in zip(q4, f32))
+    for rows in (1, 2, 3, 4, 8, 12, 13, 17, 30, 130):
+        out = []
+        for codes in (True, False):
+            monkeypatch.setattr(cpukernel, "Q4_1", codes)
+            assert cpukernel.packed(w) & 7 == (tag if codes else 0)  # the codes, or the float32 copy
+            out.append((cpukernel.rows_linear(x[:rows], w, b), cpukernel.rows_gated(x[:rows], gate, up)))
+        assert all(torch.equal(a, c) for a, c in zip(*out))
 
 
 def test_decoding_a_q4_1_target_is_the_same_with_and_without_the_codes(monkeypatch):
@@ -74,7 +79,7 @@ def test_q8_0_form_is_found_and_its_products_give_the_float32_bits(monkeypatch):
     # a GGUF Q8_0 weight (SmolLM2's lm_head) is read as int8 codes and float16 scales on the FMA path, with AMX on
     # too: the same float32 values and sums, so the float32 layout's bits, for every row count
     g = torch.Generator().manual_seed(3)
-    w, b = cpukernel.q8_0_weight(100, 64, g), torch.randn(100, generator=g)
+    w = cpukernel.q8_0_weight(100, 64, g)
     q, d = cpukernel.q8_0_codes(w)
     assert q.dtype == torch.int8 and d.shape == (100, 2)
     assert torch.equal((d.repeat_interleave(32, 1) * q.float()).view(torch.int32), w.view(torch.int32))
@@ -83,13 +88,4 @@ def test_q8_0_form_is_found_and_its_products_give_the_float32_bits(monkeypatch):
     nudged = w.clone()
     nudged[50, 9] = torch.nextafter(nudged[50, 9], torch.tensor(1.0))
     assert cpukernel.q8_0_codes(nudged) is None and cpukernel.q8_0_codes(torch.zeros(32, 64)) is not None
-    gate, up = cpukernel.q8_0_weight(96, 64, g), cpukernel.q8_0_weight(96, 64, g)
-    x = torch.randn(130, 64, generator=g)
-    for rows in (1, 2, 3, 4, 8, 12, 13, 17, 30, 130):  # one tile; several, each group decoded once; passes of 96
-        monkeypatch.setattr(cpukernel, "Q4_1", True)
-        assert cpukernel.packed(w) & 7 == 5  # read as Q8_0 codes
-        q8 = cpukernel.rows_linear(x[:rows], w, b), cpukernel.rows_gated(x[:rows], gate, up)
-        monkeypatch.setattr(cpukernel, "Q4_1", False)
-        assert cpukernel.packed(w) & 7 == 0  # the float32 copy
-        f32 = cpukernel.rows_linear(x[:rows], w, b), cpukernel.rows_gated(x[:rows], gate, up)
-        assert all(torch.equal(a, c) for a, c in zip(q8, f32))
+    _codes_give_the_float32_bits(monkeypatch, cpukernel.q8_0_weight, 4, tag=5)
