@@ -105,6 +105,18 @@ class GreedySteps:
     def step(self, cache, feats: torch.Tensor, tokens: torch.Tensor) -> int:
         """Read pairs (feats [T, H] float32, tokens [T]) into `cache` at its length, as `EagleHead.forward` does,
         and return the greedy draft token (a target id) after the last one. T <= max_rows."""
+        T, H, threads = tokens.shape[0], self.hidden, self.read(cache, feats, tokens)
+        # 3. the draft screen's argmax of the last row
+        V, scores = self.vocab, self.scores.data_ptr()
+        left = self.lib.screen_argmax(*self.screen, self.at_y[self.last] + 4 * (T - 1) * H, V, H, 1, scores,
+                                      scores + 4 * V, scores + 4 * (V + threads), self.at.data_ptr(), self.at_xq,
+                                      self.at_best, threads)
+        best = int(cpukernel.screen_argmax(self.feature(T), self.screen_weight)) if left else self.best_value.value
+        return self.d2t[best] if self.d2t is not None else best
+
+    def read(self, cache, feats: torch.Tensor, tokens: torch.Tensor) -> int:
+        """`step` without its draft token: the pairs read into `cache`, their predicted features in `feature`
+        (`EagleHead.forward`'s output, bit for bit). Returns the thread count it ran with."""
         T, H, lib = tokens.shape[0], self.hidden, self.lib
         start = cache.length
         threads = torch.get_num_threads()
@@ -131,12 +143,7 @@ class GreedySteps:
             src = dst
         self.last = src
         cache.length = start + T
-        # 3. the draft screen's argmax of the last row
-        V, scores = self.vocab, self.scores.data_ptr()
-        left = lib.screen_argmax(*self.screen, self.at_y[src] + 4 * (T - 1) * H, V, H, 1, scores, scores + 4 * V,
-                                 scores + 4 * (V + threads), self.at.data_ptr(), self.at_xq, self.at_best, threads)
-        best = int(cpukernel.screen_argmax(self.feature(T), self.screen_weight)) if left else self.best_value.value
-        return self.d2t[best] if self.d2t is not None else best
+        return threads
 
     def _grow_rope(self, positions: int) -> None:
         """The rotary tables (`head.rope_cos_sin`'s rows, [>= positions, head_dim]) grown to `positions`."""

@@ -149,11 +149,16 @@ class EagleProposer:
     def propose(self, feats: torch.Tensor, tokens: torch.Tensor, cfg, generator=None) -> Draft:
         head, start = self.head, self.cache.length
         sampling = cfg.temperature > 0
-        if (cfg.mode == "chain" and not sampling and cfg.screen_argmax and tokens.shape[1] <= GreedySteps.max_rows
-                and feats.dtype == torch.float32 and feats.is_cpu and self._greedy_steps()):
+        steps = (self._greedy_steps() if tokens.shape[1] <= GreedySteps.max_rows and feats.dtype == torch.float32
+                 and feats.is_cpu else None)
+        if steps and cfg.mode == "chain" and not sampling and cfg.screen_argmax:
             return self._chain_steps(feats, tokens, cfg)
-        pos = torch.arange(start, start + tokens.shape[1], device=tokens.device)[None]
-        h_root = head(feats, tokens, pos, cache=self.cache)[0, -1:]  # predicts the root's feature
+        if steps:  # the same C calls as the modules' forward below, without their Python
+            steps.read(self.cache, feats[0] if feats.is_contiguous() else feats[0].contiguous(), tokens[0])
+            h_root = steps.feature(tokens.shape[1]).clone()
+        else:
+            pos = torch.arange(start, start + tokens.shape[1], device=tokens.device)[None]
+            h_root = head(feats, tokens, pos, cache=self.cache)[0, -1:]  # predicts the root's feature
         if cfg.mode == "dynamic":
             return self._dynamic(h_root, tokens[0, -1], cfg)
         return self._fixed(h_root, tokens[0, -1], self._fixed_plan(cfg), cfg, generator if sampling else None)

@@ -161,6 +161,9 @@ def test_greedy_steps_draft_the_module_paths_bits(monkeypatch, layers, draft_voc
     g = torch.Generator().manual_seed(0)
     feats, ids = torch.randn(1, 40, 64, generator=g), torch.randint(0, 96, (1, 40), generator=g)
     cfg = DecodeConfig(mode="chain", num_speculative_tokens=3)
+    # other modes read the new pairs through the steps too (`GreedySteps.read`), then draft through the modules
+    others = [DecodeConfig(mode="dynamic", top_k=2, depth=2, total_tokens=4),
+              DecodeConfig(mode="chain", num_speculative_tokens=2, temperature=0.8)]
     at = 0
     for new in (9, 1, 3, 2, 1, 4):  # pairs committed this round, as the decoder hands them over
         drafts = [p.propose(feats[:, at:at + new], ids[:, at:at + new], cfg) for p in (fast, modules)]
@@ -168,6 +171,13 @@ def test_greedy_steps_draft_the_module_paths_bits(monkeypatch, layers, draft_voc
         assert fast.cache.length == modules.cache.length == at + new + 2
         for a, b in zip(fast.cache.k + fast.cache.v, modules.cache.k + modules.cache.v):
             assert torch.equal(a[:, :, :at + new + 2], b[:, :, :at + new + 2])
+        for other in others:
+            fast.rollback(at), modules.rollback(at)
+            more = [p.propose(feats[:, at:at + new], ids[:, at:at + new], other, torch.Generator().manual_seed(at))
+                    for p in (fast, modules)]
+            assert torch.equal(more[0].tokens, more[1].tokens) and torch.equal(more[0].parents, more[1].parents)
+            assert (more[0].q is None) == (more[1].q is None) and (more[0].q is None or torch.equal(more[0].q,
+                                                                                                    more[1].q))
         at += new
         fast.rollback(at), modules.rollback(at)
     assert fast._steps and not modules._steps
