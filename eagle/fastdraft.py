@@ -9,6 +9,7 @@ its buffers and the weights' kernel addresses taken once per decoding:
 
     steps = GreedySteps.build(head)             # None where the module path would not make these calls
     token = steps.step(cache, feats, tokens)    # feats [T, H], tokens [T]; the predicted feature: steps.feature(T)
+    steps.read(cache, feats, tokens)            # the pairs read, no token (sampling and trees draft on from there)
 
 The steps read the weights as they were at `build` (the kernel copies behind the addresses are held): build again
 for each decoding (`infer.proposer.EagleProposer` does, at `reset`) and after the head's weights or the kernel
