@@ -37,7 +37,7 @@ from eagle import EagleHead, HeadCache, TargetModel, cpukernel
 from eagle.fastdraft import GreedySteps
 from infer import tree
 from infer.cache import TargetCache
-from infer.sampling import greedy_tokens, gumbel_top, process, screen_fits, screened_argmax
+from infer.sampling import greedy_tokens, gumbel_top, process, sample, screen_fits, screened_argmax
 
 
 @dataclass
@@ -341,7 +341,7 @@ class ModelProposer:
             else:
                 q = process(m.logits(h)[: self.vocab][None], cfg.temperature, cfg.sampling_top_k, cfg.top_p)[0].cpu()
                 q = torch.nn.functional.pad(q, (0, self.vocab - q.shape[0]))
-                tok = int(torch.multinomial(q, 1, generator=generator))
+                tok = sample(q, generator)
                 q_rows.append(q)
             drafts.append(tok)
             start += ids.shape[1]
