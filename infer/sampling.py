@@ -29,10 +29,20 @@ def process(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: flo
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     if top_p < 1.0:
-        sorted_p, order = probs.sort(dim=-1, descending=True)
-        # drop a token when the mass strictly before it already reaches top_p (the top token always stays)
-        drop = (sorted_p.cumsum(-1) - sorted_p) >= top_p
-        probs = probs.scatter(-1, order, sorted_p.masked_fill(drop, 0.0))
+        # drop a token when the mass strictly before it (largest first) already reaches top_p; the top token always
+        # stays. Every token past the k largest is dropped once their mass reaches top_p, so the k largest are
+        # enough: the 64 largest, else the 1,024 largest, else all (sorting all 49,152 of SmolLM2's took 2.8 ms a row,
+        # the 64 largest 0.1)
+        for k in (64, 1024, probs.shape[-1]):
+            if k >= probs.shape[-1]:  # a flat distribution: all of them
+                sorted_p, order = probs.sort(dim=-1, descending=True)
+            else:
+                sorted_p, order = probs.topk(k, dim=-1)
+            mass = sorted_p.cumsum(-1)
+            if bool((mass[..., -1] >= top_p).all()):
+                break
+        kept = sorted_p.masked_fill(mass - sorted_p >= top_p, 0.0)
+        probs = torch.zeros_like(probs).scatter_(-1, order, kept)
         probs = probs / probs.sum(-1, keepdim=True)
     return probs
 

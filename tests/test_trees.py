@@ -303,3 +303,20 @@ def test_sample_draws_the_given_distribution_and_never_a_zero():
     freq, want = counts / counts.sum(), probs / probs.sum()
     assert (freq - want).abs().max() < 4 * (want * (1 - want) / 40_000).sqrt().max()
     assert sample(torch.tensor([0.0, 0.0, 1.0]), g) == 2
+
+
+def test_top_p_from_the_largest_few_equals_sorting_all():
+    # process() finds the nucleus among the 64 or 1,024 largest probabilities where their mass reaches top_p, else
+    # sorts all: the same probabilities as sorting all, on peaked, middling and flat rows, one or several at once
+    def sort_all(logits, top_p):
+        probs = torch.softmax(logits.float() / 0.7, dim=-1)
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        probs = probs.scatter(-1, order, sorted_p.masked_fill(sorted_p.cumsum(-1) - sorted_p >= top_p, 0.0))
+        return probs / probs.sum(-1, keepdim=True)
+
+    g = torch.Generator().manual_seed(0)
+    for scale in (0.3, 3.0, 10.0):  # flat (all sorted), middling (1,024), peaked (64)
+        for top_p in (0.5, 0.9, 0.999):
+            logits = torch.randn(3, 5000, generator=g) * scale
+            assert torch.equal(process(logits, 0.7, 0, top_p), sort_all(logits, top_p))
+            assert torch.equal(process(logits[:1], 0.7, 0, top_p), sort_all(logits[:1], top_p))
