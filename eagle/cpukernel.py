@@ -2355,6 +2355,13 @@ def _screen_tables(weight: torch.Tensor, form: str) -> tuple:
     return pack_screen_tiles(q8) if form == "tiles" else pack(q8, form == "pairs"), s, c, n_max, w_max
 
 
+def screen_weight_args(tables: tuple) -> tuple:
+    """C `screen_argmax`'s first five arguments for `screen_tables`' answer: the int8 weights' address (tagged 2 for
+    `pack_screen_tiles`'s layout), the scales', the bounds', the largest |s q| and |w|."""
+    q, s, c, n_max, w_max = tables
+    return q.data_ptr() | (2 if q.dim() == 6 else 0), s.data_ptr(), c.data_ptr(), n_max, w_max
+
+
 def screen_argmax(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """`rows_linear(x, weight, None).argmax(-1)` for rows x [..., in] (float32), bit for bit, reading the weight
     as int8 and only the few rows whose logit may be the largest in float32 (C `screen_argmax`): a quarter of the
@@ -2367,15 +2374,13 @@ def screen_argmax(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     tables = screen_tables(weight)
     if tables is None:
         return rows_linear(x, weight, None).argmax(-1)
-    q, s, c, n_max, w_max = tables
     threads = torch.get_num_threads()
     a = _scratch(m * out_f + 2 * threads * m + 3 * m)
     at = torch.empty(threads * m, dtype=torch.int64)
     xq = torch.empty(m * in_f, dtype=torch.int16)
     y = torch.empty(m, dtype=torch.int64)
     lo = a[m * out_f:]
-    tag = 2 if q.dim() == 6 else 0  # pack_screen_tiles's layout: its address tagged for the kernel
-    left = (_lib or library()).screen_argmax(q.data_ptr() | tag, s.data_ptr(), c.data_ptr(), n_max, w_max,
+    left = (_lib or library()).screen_argmax(*screen_weight_args(tables),
                                              weight.data_ptr(), x.data_ptr(), out_f, in_f, m, a.data_ptr(),
                                              lo.data_ptr(), lo[threads * m:].data_ptr(), at.data_ptr(),
                                              xq.data_ptr(), y.data_ptr(), threads)

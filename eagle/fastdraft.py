@@ -50,9 +50,7 @@ class GreedySteps:
                                 cpukernel.packed(mlp.gate_proj.weight), cpukernel.packed(mlp.up_proj.weight),
                                 cpukernel.packed(mlp.down_proj.weight), mlp.gate_proj.weight.shape[0]))
         w = self.screen_weight = head.draft_lm_weight
-        self.tables = q, s, c, n_max, w_max = cpukernel.screen_tables(w)
-        tag = 2 if q.dim() == 6 else 0  # as cpukernel.screen_argmax tags pack_screen_tiles's layout
-        self.screen = (q.data_ptr() | tag, s.data_ptr(), c.data_ptr(), n_max, w_max, w.data_ptr())
+        self.screen = (*cpukernel.screen_weight_args(cpukernel.screen_tables(w)), w.data_ptr())
         self.d2t = head.d2t.tolist() if cfg.draft_vocab_size else None
         # the kernels' copies behind those addresses, held so that a copy made again (a weight changed in place,
         # then multiplied through the modules) cannot free one these steps still read

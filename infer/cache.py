@@ -57,15 +57,16 @@ class TargetCache:
         """
         m = keep.shape[0]
         contiguous = bool(keep[-1].item() == m - 1)  # a chain's accepted path is a prefix: nothing to move
-        table = None if contiguous else self._buffer_table()
-        if table is not None:  # every layer's keys and values moved in one C call
-            cpukernel.kv_compact(table, start, keep.to(torch.int64).contiguous())
-        elif not contiguous:
-            for layer in self._layers():
-                keys, values = layer.keys, layer.values
-                src = start + keep.to(keys.device)
-                keys[..., start:start + m, :] = keys.index_select(-2, src)
-                values[..., start:start + m, :] = values.index_select(-2, src)
+        if not contiguous:
+            table = self._buffer_table()
+            if table is not None:  # every layer's keys and values moved in one C call
+                cpukernel.kv_compact(table, start, keep.to(torch.int64).contiguous())
+            else:
+                for layer in self._layers():
+                    keys, values = layer.keys, layer.values
+                    src = start + keep.to(keys.device)
+                    keys[..., start:start + m, :] = keys.index_select(-2, src)
+                    values[..., start:start + m, :] = values.index_select(-2, src)
         self.crop(start + m)
 
     def _buffer_table(self) -> torch.Tensor | None:

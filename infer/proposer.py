@@ -152,9 +152,9 @@ class EagleProposer:
         steps = (self._greedy_steps() if tokens.shape[1] <= GreedySteps.max_rows and feats.dtype == torch.float32
                  and feats.is_cpu else None)
         if steps and cfg.mode == "chain" and not sampling and cfg.screen_argmax:
-            return self._chain_steps(feats, tokens, cfg)
+            return self._chain_steps(feats[0].contiguous(), tokens[0], cfg)
         if steps:  # the same C calls as the modules' forward below, without their Python
-            steps.read(self.cache, feats[0] if feats.is_contiguous() else feats[0].contiguous(), tokens[0])
+            steps.read(self.cache, feats[0].contiguous(), tokens[0])
             h_root = steps.feature(tokens.shape[1]).clone()
         else:
             pos = torch.arange(start, start + tokens.shape[1], device=tokens.device)[None]
@@ -182,12 +182,11 @@ class EagleProposer:
             self._steps = GreedySteps.build(self.head) or False
         return self._steps or None
 
-    def _chain_steps(self, feats: torch.Tensor, tokens: torch.Tensor, cfg) -> Draft:
-        """A greedy chain through `GreedySteps`: the draft `_fixed` makes on a chain plan, bit for bit (the same C
-        calls), at a fraction of its Python. The first step reads the new pairs, each next one the token drafted
-        last with the feature predicted for it."""
+    def _chain_steps(self, feats: torch.Tensor, t: torch.Tensor, cfg) -> Draft:
+        """A greedy chain through `GreedySteps` from the new pairs (feats [T, H] contiguous, t [T]): the draft
+        `_fixed` makes on a chain plan, bit for bit (the same C calls), at a fraction of its Python. The first step
+        reads the new pairs, each next one the token drafted last with the feature predicted for it."""
         steps, plan = self._steps, self._fixed_plan(cfg)
-        feats, t = feats[0] if feats.is_contiguous() else feats[0].contiguous(), tokens[0]
         drafted = [int(t[-1])]
         for d in range(cfg.num_speculative_tokens):
             if d:
