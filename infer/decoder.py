@@ -14,6 +14,7 @@ Paper notation: p is the target, q the draft. The draft is a tree of parent indi
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import time
 from dataclasses import dataclass, field
@@ -324,7 +325,10 @@ class SpeculativeDecoder:
     @torch.inference_mode()
     def _speculate(self, prompt_ids: list[int], cfg: DecodeConfig, out: GenerateOutput, generator):
         """The verify loop: 1 prefill, 2 draft, 3 verify with the tree mask, 4 accept, 5 compact and advance."""
-        t, q, dev = self.target, self.proposer, self.target.device
+        t, dev = self.target, self.target.device
+        # a copy of the proposer, so that its caches belong to this generation alone: streams of one decoder taken in
+        # turns each draft from their own text (the head and its kept layouts are shared)
+        q = copy.copy(self.proposer)
         if cfg.prompt_lookup_num_tokens > 0:
             q = LookupProposer(q)
         cache = TargetCache()

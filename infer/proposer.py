@@ -134,7 +134,7 @@ class EagleProposer:
 
     def __init__(self, head: EagleHead):
         self.head, self.cache = head, HeadCache()
-        self._plan: tuple | None = None  # (key, FixedPlan) of the last chain or static tree
+        self._plans: dict = {}  # FixedPlan of each chain length or static tree drafted so far (copies share it)
         self._steps: GreedySteps | None | bool = None  # greedy chains' steps: None until built, False: none fit
 
     def reset(self, prompt_ids: list[int] | None = None) -> None:
@@ -168,14 +168,14 @@ class EagleProposer:
         if cfg.mode not in ("chain", "static"):
             raise ValueError(f"mode {cfg.mode!r}: expected chain, static or dynamic")
         key = ("chain", cfg.num_speculative_tokens) if cfg.mode == "chain" else ("static", str(cfg.tree))
-        if self._plan is None or self._plan[0] != key:
+        if key not in self._plans:
             if cfg.mode == "chain":
                 k = cfg.num_speculative_tokens
                 parents, ranks = tree.chain(k), torch.zeros(k + 1, dtype=torch.long)
             else:
                 parents, ranks = tree.from_choices(load_choices(cfg.tree))
-            self._plan = (key, FixedPlan.build(parents, ranks))
-        return self._plan[1]
+            self._plans[key] = FixedPlan.build(parents, ranks)
+        return self._plans[key]
 
     def _greedy_steps(self) -> GreedySteps | None:
         if self._steps is None:

@@ -98,6 +98,35 @@ def test_stream_yields_what_generate_returns(target, baseline):
     assert sum(chunks, []) == baseline.token_ids[:20]
 
 
+def _in_turns(*streams):
+    """Take one round from each unfinished stream in turn; their GenerateOutputs."""
+    done = {}
+    while len(done) < len(streams):
+        for i, s in enumerate(streams):
+            if i not in done:
+                try:
+                    next(s)
+                except StopIteration as stop:
+                    done[i] = stop.value
+    return [done[i] for i in range(len(streams))]
+
+
+def test_streams_of_one_decoder_taken_in_turns_draft_as_if_alone(target, baseline):
+    truth = PROMPT + baseline.token_ids
+    dec = SpeculativeDecoder(target, None, proposer=OracleProposer(truth, None, target.vocab_size))
+    for out in _in_turns(dec.stream(PROMPT, 40, num_speculative_tokens=3), dec.stream(PROMPT, 40,
+                                                                                    num_speculative_tokens=3)):
+        assert out.token_ids == baseline.token_ids[:40]
+        assert out.accept_lengths[:-1] == [3] * (len(out.accept_lengths) - 1)  # a shared oracle would lose count
+    dec = SpeculativeDecoder(target, tiny_head(target))
+    other = [9, 8, 7, 6, 5]
+    alone = [dec.generate(p, 30, num_speculative_tokens=2, prompt_lookup_num_tokens=2) for p in (PROMPT, other)]
+    turns = _in_turns(*(dec.stream(p, 30, num_speculative_tokens=2, prompt_lookup_num_tokens=2)
+                        for p in (PROMPT, other)))
+    for a, b in zip(alone, turns):
+        assert (b.token_ids, b.accept_lengths) == (a.token_ids, a.accept_lengths)
+
+
 def test_cache_compact_then_step_equals_fresh_forward(target):
     """Keep a non-contiguous subset of appended positions; the next step must match a fresh forward."""
     torch.manual_seed(0)
