@@ -786,6 +786,48 @@ static void amx_run(const unsigned char *const *Q, const unsigned char *const *a
     amx_scale(C[(units - 1) & 1], Q[n - 1] + (ng - 1) * QG, a, 0, a->M, ng - 1, acc[n - 1]);
 }
 
+/* amx_run for any row count (the tiles of R rows of a in turn): units of one block's group and one tile of rows, the
+   row tiles fastest, by amx_block's operations in its order (so with its bits). A block's group is decoded once for
+   all row tiles, while the group before it is on the tiles; a unit's sums are scaled a unit later. */
+static void amx_tall(const unsigned char *const *Q, const unsigned char *const *ahead, int n, const amx_rows *a,
+                     float *const *acc) {
+    uint16_t T[2][2 * 512] __attribute__((aligned(64)));
+    float C[2][2][16 * 16] __attribute__((aligned(64)));
+    const int64_t ng = a->in_f / 32, nr = a->Mp / a->R, groups = ng * n, units = groups * nr;
+    amx_config(a->R);
+    for (int j = 0; j < n; j++) memset(acc[j], 0, sizeof(float) * a->M * NB);
+    prefetch_group(ahead[0], 0, QG);
+    amx_decode(Q[0] + 128, T[0]);
+    for (int64_t u = 0; u <= units; u++) {
+        if (u < units) {  /* unit u: row tile u % nr of group v / n of block v % n, v = u / nr */
+            const int64_t v = u / nr, r = u % nr;
+            if (r == 0) {
+                _tile_loadd(5, T[v & 1], 64);
+                _tile_loadd(6, T[v & 1] + 512, 64);
+            }
+            _tile_zero(0);
+            _tile_zero(1);
+            tile_parts(a, r * a->R, v / n);
+            if (r == 0 && v + 1 < groups) {
+                const int64_t g = (v + 1) / n;
+                const int j = (int)((v + 1) % n);
+                prefetch_group(ahead[j], g, QG);
+                amx_decode(Q[j] + g * QG + 128, T[(v + 1) & 1]);
+            }
+        }
+        if (u > 0) {  /* the unit before: its rows of acc */
+            const int64_t v = (u - 1) / nr, r0 = (u - 1) % nr * a->R, g = v / n;
+            const int j = (int)(v % n);
+            if (r0 < a->M)
+                amx_scale(C[(u - 1) & 1], Q[j] + g * QG, a, r0, a->M - r0 < a->R ? a->M - r0 : a->R, g, acc[j]);
+        }
+        if (u < units) {
+            _tile_stored(0, C[u & 1][0], 64);
+            _tile_stored(1, C[u & 1][1], 64);
+        }
+    }
+}
+
 /* Weights kept in bfloat16 (an EAGLE head's, when drafting without AMX-INT8: `draft_precision`): for each group of 32
    inputs of a block, two 1 KB tiles (16 pairs of inputs x 16 outputs x 2), loaded as they are. The inputs keep their
    three exact parts, and every group's products go into the same sums, so the only rounding beyond float32 sums is
@@ -856,7 +898,13 @@ static void amx_blocks(const float *P, const amx_rows *a, const float *B, float 
         return;
     }
     for (int64_t b = lo; b < hi; b++) {
-        tile_block(P, b, a, a->acc, b + 1 < hi);
+        if (!is_bf16(P)) {  /* more rows than a tile: a block at a time through amx_tall */
+            const unsigned char *Q[1], *ahead[1];
+            float *acc[1];
+            amx_run_blocks(&P, 1, b, hi, 1, a, Q, ahead, acc);
+            amx_tall(Q, ahead, 1, a, acc);
+        } else
+            tile_block(P, b, a, a->acc, b + 1 < hi);
         store_block(Y, a->acc, B, b, out_f, c, (int)a->M);
     }
 }
@@ -896,8 +944,16 @@ static void amx_gated(const float *G, const float *U, const float *X, float *Y, 
             }
             float *g = a.acc, *u = a.acc + a.Mp * NB;
             for (int64_t b = lo; b < hi; b++) {
-                tile_block(G, b, &a, g, b + 1 < hi);
-                tile_block(U, b, &a, u, b + 1 < hi);
+                if (!is_bf16(G) && !is_bf16(U)) {  /* a block's gate and up through amx_tall */
+                    const float *GU[2] = {G, U};
+                    const unsigned char *Q[2], *ahead[2];
+                    float *acc[2];
+                    amx_run_blocks(GU, 2, b, hi, 1, &a, Q, ahead, acc);
+                    amx_tall(Q, ahead, 2, &a, acc);
+                } else {
+                    tile_block(G, b, &a, g, b + 1 < hi);
+                    tile_block(U, b, &a, u, b + 1 < hi);
+                }
                 store_gated(Y, g, u, out_f, b * NB, out_f - b * NB < NB ? out_f - b * NB : NB, c, rows);
             }
         }
