@@ -114,8 +114,7 @@ def _in_turns(*streams):
 def test_streams_of_one_decoder_taken_in_turns_draft_as_if_alone(target, baseline):
     truth = PROMPT + baseline.token_ids
     dec = SpeculativeDecoder(target, None, proposer=OracleProposer(truth, None, target.vocab_size))
-    for out in _in_turns(dec.stream(PROMPT, 40, num_speculative_tokens=3), dec.stream(PROMPT, 40,
-                                                                                    num_speculative_tokens=3)):
+    for out in _in_turns(*(dec.stream(PROMPT, 40, num_speculative_tokens=3) for _ in range(2))):
         assert out.token_ids == baseline.token_ids[:40]
         assert out.accept_lengths[:-1] == [3] * (len(out.accept_lengths) - 1)  # a shared oracle would lose count
     dec = SpeculativeDecoder(target, tiny_head(target))
