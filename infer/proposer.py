@@ -27,6 +27,7 @@ loops), where the head's few-token chains stop short and a lookup continues.
 
 from __future__ import annotations
 
+import copy
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -444,6 +445,12 @@ class LookupProposer:
         self.inner = inner
         self.index: NgramIndex | None = None
         self._shapes: dict = {}  # merge_chain's tensors of each tree shape seen
+
+    def __copy__(self) -> "LookupProposer":
+        """A copy that drafts on its own (one per generation): its inner proposer copied too."""
+        new = object.__new__(LookupProposer)
+        new.__dict__.update(self.__dict__, inner=copy.copy(self.inner))
+        return new
 
     def reset(self, prompt_ids: list[int] | None = None) -> None:
         self.index = None

@@ -7,7 +7,7 @@ from tiny import tiny_head, tiny_target
 from infer import SpeculativeDecoder
 from infer import tree
 from infer.cache import TargetCache
-from infer.proposer import Draft
+from infer.proposer import Draft, LookupProposer
 
 PROMPT = [5, 6, 7, 8, 9, 10, 11]
 
@@ -113,10 +113,12 @@ def _in_turns(*streams):
 
 def test_streams_of_one_decoder_taken_in_turns_draft_as_if_alone(target, baseline):
     truth = PROMPT + baseline.token_ids
-    dec = SpeculativeDecoder(target, None, proposer=OracleProposer(truth, None, target.vocab_size))
-    for out in _in_turns(*(dec.stream(PROMPT, 40, num_speculative_tokens=3) for _ in range(2))):
-        assert out.token_ids == baseline.token_ids[:40]
-        assert out.accept_lengths[:-1] == [3] * (len(out.accept_lengths) - 1)  # a shared oracle would lose count
+    for proposer in (OracleProposer(truth, None, target.vocab_size),  # also inside a lookup proposer given as such
+                     LookupProposer(OracleProposer(truth, None, target.vocab_size))):
+        dec = SpeculativeDecoder(target, None, proposer=proposer)
+        for out in _in_turns(*(dec.stream(PROMPT, 40, num_speculative_tokens=3) for _ in range(2))):
+            assert out.token_ids == baseline.token_ids[:40]
+            assert out.accept_lengths[:-1] == [3] * (len(out.accept_lengths) - 1)  # a shared oracle loses count
     dec = SpeculativeDecoder(target, tiny_head(target))
     other = [9, 8, 7, 6, 5]
     alone = [dec.generate(p, 30, num_speculative_tokens=2, prompt_lookup_num_tokens=2) for p in (PROMPT, other)]
