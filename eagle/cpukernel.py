@@ -336,6 +336,10 @@ static inline __attribute__((always_inline)) void decode_codes(const unsigned ch
     else
         q4_decode(G + 128 + 16 * k, d, m, w);
 }
+/* block b of a Q8_0 weight when q8, else of a Q4_1 one */
+static inline const unsigned char *codes_block(const float *P, int64_t b, int64_t in_f, int q8) {
+    return q8 ? q8_block(P, b, in_f) : q4_block(P, b, in_f);
+}
 static inline __attribute__((always_inline)) const unsigned char *codes_group(const unsigned char *Q, int64_t g,
                                                                                const unsigned char *ahead, vw *d,
                                                                                vw *m, int q8) {
@@ -482,8 +486,8 @@ static void linear_blocks(const float *P, const float *X, const float *B, float 
             const int q8 = is_q8(P);
             for (int64_t m0 = 0; m0 < M; m0 += MANY) {
                 const int64_t R = M - m0 < MANY ? M - m0 : MANY;
-                q4_many(q8 ? q8_block(P, b, in_f) : q4_block(P, b, in_f), X + m0 * in_f, in_f, R, many,
-                        b + 1 < hi && m0 == 0 ? (q8 ? q8_block(P, b + 1, in_f) : q4_block(P, b + 1, in_f)) : 0, q8);
+                q4_many(codes_block(P, b, in_f, q8), X + m0 * in_f, in_f, R, many,
+                        b + 1 < hi && m0 == 0 ? codes_block(P, b + 1, in_f, q8) : 0, q8);
                 store_block(Y, many, B, b, out_f, m0, (int)R);
             }
             b++;
