@@ -129,10 +129,15 @@ def main() -> None:
     # a greedy token through the int8 screen reads the lm_head's int8 copy instead (a quarter of its bytes)
     lm = target.lm_head.weight
     screened_bytes = weight_bytes - lm.numel() * (lm.element_size() - 1) if dec.screens_greedy_tokens else weight_bytes
-    # and weights in GGUF Q4_1 form are read as codes: 0.625 bytes a weight instead of 4 (640 bytes a group of 1,024)
-    q4_weights = sum(p.numel() for p in target.model.parameters()
-                     if p.dim() == 2 and p is not lm and cpukernel.q4_1_codes(p) is not None)
-    read_bytes = screened_bytes - q4_weights * (4 - 0.625)
+    # and weights in GGUF Q4_1 form are read as codes: 0.625 bytes a weight instead of 4 (640 bytes a group of 1,024);
+    # in Q8_0 form (Q8_0, Q5_0, Q4_0 tensors) 1.0625 (1,088 bytes a group)
+    def saved(p: torch.Tensor) -> float:  # bytes a weight not read
+        if cpukernel.q4_1_codes(p) is not None:
+            return 4 - 0.625
+        return 4 - 1.0625 if cpukernel.q8_0_codes(p) is not None else 0
+
+    read_bytes = screened_bytes - sum(p.numel() * saved(p) for p in target.model.parameters()
+                                      if p.dim() == 2 and p is not lm)
     bw = bandwidth_gb_s()
     rows = [1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32]
     text = real_text(dec, args.data, args.context + max(rows))

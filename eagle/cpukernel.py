@@ -2108,25 +2108,31 @@ def q4_1_weight(out_f: int, in_f: int, generator: torch.Generator) -> torch.Tens
 def q8_0_codes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(q [out, in] int8, d [out, in / 32] float32) with weight[o, i] == fl(d q) bit for bit, d a float16 value per
     group of 32 inputs: the form of a GGUF Q8_0 tensor dequantized to float32 (SmolLM2's embedding, tied to its
-    lm_head); None for any other weight. d is the float16 nearest max |w| / 127 or one of its neighbours, q = w / d
-    rounded, and every value is checked; a weight whose first row is not in that form is turned down at once."""
+    lm_head), and of Q5_0 and Q4_0 ones (codes q - 16 and q - 8: Gemma-3's projections); None for any other weight.
+    d is the float16 nearest max |w| / 127 (Q8_0; / 16 for Q5_0, / 8 for Q4_0, whose quantizers give the largest
+    value the extreme code) or one of its neighbours, q = w / d rounded, and every value is checked; a weight whose
+    first row is not in that form is turned down at once. (A Q5_0 or Q4_0 d can be negative: its -0.0 weights come
+    back as 0.0, which gives every sum the same bits, the sums starting from 0.0.)"""
     w = weight.detach()
     out_f, in_f = w.shape
     if in_f % 32 or w.dtype != torch.float32 or not out_f:
         return None
     for rows in (w[:1], w):  # the first row alone first: most weights are not in this form
         g = rows.reshape(rows.shape[0], in_f // 32, 32)
-        d16 = (g.abs().amax(-1, keepdim=True) / 127).half()
         d_out, q_out = torch.zeros_like(g[..., :1]), torch.zeros(g.shape, dtype=torch.int8)
         done = torch.zeros_like(d_out, dtype=torch.bool)
-        for step in (0, -1, 1, -2, 2):
-            d = (d16.view(torch.int16) + step).view(torch.float16).float() if step else d16.float()
-            d = torch.where(d > 0, d, 0.0)  # a step below the float16 zero; 0 stands for all-zero groups
-            q = torch.where(d > 0, (g / d).round(), 0.0)
-            ok = (q.abs() <= 127).all(-1, keepdim=True) & ((d * q).view(torch.int32) == g.view(torch.int32)).all(
-                -1, keepdim=True) & ~done
-            d_out, q_out = torch.where(ok, d, d_out), torch.where(ok, q.to(torch.int8), q_out)
-            done |= ok
+        for top in (127, 16, 8):
+            d16 = (g.abs().amax(-1, keepdim=True) / top).half()
+            for step in (0, -1, 1, -2, 2):
+                d = (d16.view(torch.int16) + step).view(torch.float16).float() if step else d16.float()
+                d = torch.where(d > 0, d, 0.0)  # a step below the float16 zero; 0 stands for all-zero groups
+                q = torch.where(d > 0, (g / d).round(), 0.0)
+                ok = (q.abs() <= 127).all(-1, keepdim=True) & (
+                    (d * q).view(torch.int32) == g.view(torch.int32)).all(-1, keepdim=True) & ~done
+                d_out, q_out = torch.where(ok, d, d_out), torch.where(ok, q.to(torch.int8), q_out)
+                done |= ok
+            if bool(done.all()):
+                break
         if not bool(done.all()):
             return None
     return q_out.reshape(out_f, in_f), d_out.squeeze(-1)

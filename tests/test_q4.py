@@ -49,6 +49,28 @@ def _codes_give_the_float32_bits(monkeypatch, make, seed: int, tag: int) -> None
         assert all(torch.equal(a, c) for a, c in zip(*out))
 
 
+def _q5_0_weight(out_f: int, in_f: int, generator: torch.Generator, top: int = 16) -> torch.Tensor:
+    # a GGUF Q5_0 (top 16) or Q4_0 (top 8) weight dequantized as transformers does: d (q - top) in float32, with d =
+    # max / -top in float16 (either sign), so each group's largest magnitude has the code -top
+    d = ((torch.rand(out_f, in_f // 32, 1, generator=generator) - 0.5) * 0.04).half().float()
+    q = torch.randint(-top, top, (out_f, in_f // 32, 32), generator=generator)
+    q[..., 5] = -top
+    return (d * q.float()).reshape(out_f, in_f)
+
+
+def test_q5_0_and_q4_0_forms_are_read_as_int8_codes_with_the_float32_bits(monkeypatch):
+    # Gemma-3's GGUF stores most projections as Q5_0: d (q - 16), the Q8_0 form with fewer bits a code
+    g = torch.Generator().manual_seed(5)
+    for top in (16, 8):
+        w = _q5_0_weight(96, 128, g, top)
+        q, d = cpukernel.q8_0_codes(w)
+        assert int(q.abs().max()) <= 16  # (a Q4_0 group may come back as d / 2 and twice its codes: as exact)
+        assert torch.equal(d.repeat_interleave(32, 1) * q.float(), w)  # -0.0 (d < 0, code 0) read as 0.0
+    mixed = torch.cat([_q5_0_weight(32, 64, g), cpukernel.q8_0_weight(32, 64, g)])  # groups of both in one weight
+    assert cpukernel.q8_0_codes(mixed) is not None and cpukernel.q4_1_codes(mixed) is None
+    _codes_give_the_float32_bits(monkeypatch, _q5_0_weight, 6, tag=5)
+
+
 def test_decoding_a_q4_1_target_is_the_same_with_and_without_the_codes(monkeypatch):
     target = tiny_target(hidden=64, dtype=torch.float32)
     g = torch.Generator().manual_seed(2)
