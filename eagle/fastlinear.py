@@ -318,7 +318,9 @@ def _stock_path(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def _norm_kernel(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    return cpukernel.rms_norm(x, self.weight, self._fast_eps)
+    # Gemma's norms scale by 1 + weight (`_fast_offset` 1.0), made at each call as their forward makes it
+    offset = self.__dict__.get("_fast_offset", 0.0)
+    return cpukernel.rms_norm(x, self.weight + offset if offset else self.weight, self._fast_eps)
 
 
 def _mlp_kernel(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -534,6 +536,7 @@ def _plan_fused_layer(mod: nn.Module) -> bool:
         return False
     attn, mlp, norm1, norm2 = (parts[n] for n in ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm"))
     if not ("_fused_rows" in attn.__dict__ and "_fast_eps" in norm1.__dict__ and "_fast_eps" in norm2.__dict__
+            and "_fast_offset" not in norm1.__dict__ and "_fast_offset" not in norm2.__dict__
             and getattr(mlp.__dict__.get("forward"), "__func__", None) is _fast_mlp_forward
             and norm1.weight.shape == norm2.weight.shape == (mlp.down_proj.weight.shape[0],)):
         return False
@@ -792,6 +795,15 @@ def _same_as_stock(mod: nn.Module, kernel, width: int) -> bool:
     return got.shape == want.shape and torch.allclose(got, want, rtol=1e-4, atol=1e-4 * width ** 0.5)
 
 
+def _offset_norm(mod: nn.Module, width: int) -> bool:
+    """Whether an RMS norm module computes `(1 + weight) x / rms(x)` (Gemma's); if so, its kernel adds the 1."""
+    mod._fast_offset = 1.0
+    if _same_as_stock(mod, _norm_kernel, width):
+        return True
+    del mod._fast_offset
+    return False
+
+
 def _patch_modules(model: nn.Module) -> None:
     """Route RMS norms, gated MLPs and Llama-style attention modules through the C kernel where it computes what
     their stock forward does."""
@@ -814,7 +826,7 @@ def _patch_modules(model: nn.Module) -> None:
             continue
         else:
             continue
-        if _same_as_stock(mod, kernel, width):
+        if _same_as_stock(mod, kernel, width) or (kernel is _norm_kernel and _offset_norm(mod, width)):
             mod.forward, mod._fast_module = types.MethodType(fast, mod), True
         else:
             mod.__dict__.pop("_fast_eps", None)

@@ -122,7 +122,7 @@ def test_gated_and_norm_kernels_match_torch_and_give_each_row_the_same_bits():
 
 
 class _OnePlusNorm(nn.Module):
-    """Gemma's RMS norm scales by 1 + weight: the patch-time check must leave it on its stock forward."""
+    """Gemma's RMS norm scales by 1 + weight: the patch-time check finds it, and its kernel adds the 1."""
 
     def __init__(self, dim):
         super().__init__()
@@ -151,8 +151,10 @@ def test_norms_and_gated_mlps_are_patched_only_where_the_kernel_matches_them():
                                                  model.modules() if isinstance(m, nn.Linear)}}))
         patched = {type(m).__name__ for m in model.modules() if m.__dict__.get("_fast_module")}
         # (the base model keeps its forward: its layers run in one call each only with gqa_sdpa attention)
-        assert patched == {"LlamaRMSNorm", "LlamaMLP", "LlamaAttention", "LlamaDecoderLayer"}
-        assert "forward" not in model.odd_norm.__dict__
+        assert patched == {"LlamaRMSNorm", "LlamaMLP", "LlamaAttention", "LlamaDecoderLayer", "GemmaLikeRMSNorm"}
+        x = torch.randn(3, model.config.hidden_size)
+        assert model.odd_norm._fast_offset == 1.0
+        torch.testing.assert_close(model.odd_norm(x), _OnePlusNorm.forward(model.odd_norm, x))
         torch.testing.assert_close(model(ids).logits, want, rtol=1e-4, atol=1e-4)
         disable_fast_linear(model)
         assert not any("forward" in m.__dict__ for m in model.modules())
