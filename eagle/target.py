@@ -157,6 +157,17 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return h.hexdigest()[:16]
 
 
+def sliding_window(config) -> int | None:
+    """The window of a model's sliding-window attention layers (transformers' `sliding_window`, where its
+    `layer_types` name such layers, or for all layers where it has no `layer_types`, as Mistral), else None."""
+    window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None)
+    if not window or getattr(config, "use_sliding_window", True) is False or (
+            types is not None and "sliding_attention" not in types):
+        return None
+    return int(window)
+
+
 @dataclass
 class TargetModel:
     """A stock transformers causal LM plus the few handles the framework drives it through."""
@@ -174,6 +185,7 @@ class TargetModel:
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
         self.softcap = getattr(self.config, "final_logit_softcapping", None)
         self.fingerprint = tokenizer_fingerprint(self.tokenizer)
+        self.window = sliding_window(self.config)
 
     @property
     def device(self) -> torch.device:
@@ -218,10 +230,26 @@ class TargetModel:
         """(last hidden state after the final norm [B, T, H], the `layers` of transformers' `hidden_states`
         tuple concatenated [B, T, len(layers) * H], or None without `layers`)."""
         kw = {self._cache_kw: cache, "use_cache": cache is not None}
+        if self.window and isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 4:
+            attention_mask = self._windowed(attention_mask, position_ids)
         out = self.base(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
                         output_hidden_states=bool(layers), **kw)
         aux = torch.cat([out.hidden_states[i] for i in layers], dim=-1) if layers else None
         return out.last_hidden_state, aux
+
+    def _windowed(self, mask: torch.Tensor, position_ids: torch.Tensor | None) -> torch.Tensor | dict:
+        """An explicit 4-D mask [B, 1, N, K] (a tree pass, a prefill's first chunk: the last N keys are these
+        tokens, the K - N before them the cached positions 0, 1, ...) as the sliding-window layers must see it too:
+        transformers hands a 4-D mask to every layer as it is, so here a key is also hidden from a query at position
+        p when it lies at p - window or before (transformers' own rule). A model with `layer_types` gets the two
+        masks by type, one without (Mistral) the windowed one for all its layers."""
+        n, k = mask.shape[-2:]
+        pos = torch.arange(k - n, k, device=mask.device)[None] if position_ids is None else position_ids.to(mask.device)
+        keys = torch.cat([torch.arange(k - n, device=mask.device).expand(pos.shape[0], -1), pos], dim=1)
+        far = keys[:, None, None, :] <= pos[:, None, :, None] - self.window
+        windowed = mask & ~far if mask.dtype == torch.bool else mask.masked_fill(far, torch.finfo(mask.dtype).min)
+        types = getattr(self.config, "layer_types", None)
+        return windowed if types is None else {t: windowed if t == "sliding_attention" else mask for t in set(types)}
 
     @property
     def num_layers(self) -> int:

@@ -5,7 +5,7 @@ against the stock layers run, decoding exactly as transformers' own greedy `gene
 import pytest
 import torch
 from tiny import tiny_head, tiny_tokenizer
-from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 from transformers import AutoModelForCausalLM
 
 from eagle import TargetModel
@@ -16,7 +16,9 @@ FAMILIES = {
     "llama": (LlamaConfig, {}),
     "qwen2": (Qwen2Config, {}),  # biases on q / k / v
     "qwen3": (Qwen3Config, {"head_dim": 16}),  # q / k norms inside attention
-    "mistral": (MistralConfig, {"sliding_window": 4096}),
+    "mistral": (MistralConfig, {"sliding_window": 5}),  # a window every layer keeps, shorter than the text
+    # norms of 1 + weight (four a layer, and q / k norms), GELU, sliding-window layers, scaled embeddings
+    "gemma3": (Gemma3TextConfig, {"head_dim": 32, "sliding_window": 4, "query_pre_attn_scalar": 32}),
 }
 
 

@@ -35,3 +35,17 @@ def test_gemma_chain_and_tree_decoding_are_lossless(target):
     assert base.token_ids == hf
     assert dec.generate(prompt, 24, num_speculative_tokens=3).token_ids == base.token_ids
     assert dec.generate(prompt, 24, mode="dynamic", top_k=3, depth=3, total_tokens=6).token_ids == base.token_ids
+
+
+def test_gemma_past_its_sliding_window_decodes_as_transformers(target):
+    # Gemma-3's sliding layers see the last 512 positions: a 600-token prompt, read in chunks and verified in tree
+    # passes with explicit masks, must give transformers' own greedy tokens (the window applied to those masks too)
+    dec = SpeculativeDecoder(target, None)
+    text = " ".join(f"Item {i} is {['red', 'green', 'blue', 'odd'][i % 4]}." for i in range(120))
+    ids = dec.encode(text + " Which colour is item 7?")
+    assert target.window == 512 and len(ids) > 512 + 64
+    t = torch.tensor([ids])
+    hf = target.model.generate(t, attention_mask=torch.ones_like(t), max_new_tokens=16, do_sample=False,
+                               eos_token_id=target.eos_ids)[0, len(ids):].tolist()
+    assert dec.generate(ids, 16, speculative=False).token_ids == hf
+    assert dec.generate(ids, 16, prompt_lookup_num_tokens=5).token_ids == hf
