@@ -130,11 +130,13 @@ def main() -> None:
     lm = target.lm_head.weight
     screened_bytes = weight_bytes - lm.numel() * (lm.element_size() - 1) if dec.screens_greedy_tokens else weight_bytes
     # and weights in GGUF Q4_1 form are read as codes: 0.625 bytes a weight instead of 4 (640 bytes a group of 1,024);
-    # in Q8_0 form (Q8_0, Q5_0, Q4_0 tensors) 1.0625 (1,088 bytes a group)
+    # in Q8_0 form (Q8_0, Q5_0, Q4_0 tensors) 1.0625 (1,088 bytes a group); K-quant codes 1.5 (1,536)
     def saved(p: torch.Tensor) -> float:  # bytes a weight not read
         if cpukernel.q4_1_codes(p) is not None:
             return 4 - 0.625
-        return 4 - 1.0625 if cpukernel.q8_0_codes(p) is not None else 0
+        if cpukernel.q8_0_codes(p) is not None:
+            return 4 - 1.0625
+        return 4 - 1.5 if cpukernel.kquant_codes(p) is not None else 0
 
     read_bytes = screened_bytes - sum(p.numel() * saved(p) for p in target.model.parameters()
                                       if p.dim() == 2 and p is not lm)

@@ -231,6 +231,21 @@ static inline int is_q8(const float *P) { return ((uintptr_t)P & 7) == 5; }
 static inline const unsigned char *q8_block(const float *P, int64_t b, int64_t in_f) {
     return untag(P) + b * (in_f / 32) * Q8G;
 }
+/* Weights in a GGUF K-quant form (Q4_K, Q5_K, Q6_K; their codes found in the GGUF file itself, `eagle.gguf_codes`):
+   w = fl(fl(d q) + m) with float32 d and m per 16 consecutive inputs of an output (a float16 times a 6- or 8-bit
+   scale: exact in float32; m = 0 for Q6_K) and q in -128..127, read on the FMA path: 1.5 bytes a weight instead of
+   4, decoded to the same float32 values, so every product keeps the float32 path's bits. Layout of block b, for each
+   group g of 32 inputs, KG bytes: d for the group's inputs 0-15 then 16-31 (32 outputs each), m the same, as
+   float32, then for each input of the group 32 bytes, byte j holding output j's q. Tagged 6. */
+#define KG (4 * 4 * NB + 32 * 32)
+static inline int is_kq(const float *P) { return ((uintptr_t)P & 7) == 6; }
+static inline const unsigned char *kq_block(const float *P, int64_t b, int64_t in_f) {
+    return untag(P) + b * (in_f / 32) * KG;
+}
+/* the three code layouts above, as the kernels below name them */
+enum { FORM_Q4 = 0, FORM_Q8 = 1, FORM_K = 2 };
+static inline int code_form(const float *P) { return is_q8(P) ? FORM_Q8 : is_kq(P) ? FORM_K : FORM_Q4; }
+static inline int has_codes(const float *P) { return is_q4(P) || is_q8(P) || is_kq(P); }
 /* group g (of `bytes` bytes) of the block at `ahead` into L2, if there is one */
 static inline void prefetch_group(const unsigned char *ahead, int64_t g, int bytes) {
     if (ahead)
@@ -310,6 +325,14 @@ static inline void q8_decode(const unsigned char *c, const vw *d, vw *w) {
 #endif
 int q4_supported(void) { return Q4_OK; }
 #if Q4_OK
+/* weight k of a K-quant group for the block's 32 outputs: fl(fl(d q) + m) with the d and m of its half */
+static inline void kq_decode(const unsigned char *G, int k, vw *w) {
+    const float *d = (const float *)G + (k >> 4) * NB, *m = d + 2 * NB;
+    vw dv[NV];
+    for (int j = 0; j < NV; j++) dv[j] = loadw(d + j * (NB / NV));
+    q8_decode(G + 4 * 4 * NB + 32 * k, dv, w);
+    for (int j = 0; j < NV; j++) w[j] += loadw(m + j * (NB / NV));
+}
 /* group g of a block: its d and m loaded, the same group of the next block (ahead, if any) prefetched; its codes */
 static inline const unsigned char *q4_group(const unsigned char *Q, int64_t g, const unsigned char *ahead, vw *d,
                                             vw *m) {
@@ -328,34 +351,41 @@ static inline const unsigned char *q8_group(const unsigned char *Q, int64_t g, c
     for (int j = 0; j < NV; j++) d[j] = load_half(G + 2 * j * (NB / NV));
     return G;
 }
-/* weight k of a group (its input g * 32 + k) for the block's 32 outputs, decoded: Q8_0 codes when q8, else Q4_1 */
+/* weight k of a group (its input g * 32 + k) for the block's 32 outputs, decoded from the codes of `form` */
 static inline __attribute__((always_inline)) void decode_codes(const unsigned char *G, int k, const vw *d,
-                                                                const vw *m, vw *w, int q8) {
-    if (q8)
+                                                                const vw *m, vw *w, int form) {
+    if (form == FORM_Q8)
         q8_decode(G + 64 + 32 * k, d, w);
+    else if (form == FORM_K)
+        kq_decode(G, k, w);
     else
         q4_decode(G + 128 + 16 * k, d, m, w);
 }
-/* block b of a Q8_0 weight when q8, else of a Q4_1 one */
-static inline const unsigned char *codes_block(const float *P, int64_t b, int64_t in_f, int q8) {
-    return q8 ? q8_block(P, b, in_f) : q4_block(P, b, in_f);
+/* block b of a weight in the codes of `form` */
+static inline const unsigned char *codes_block(const float *P, int64_t b, int64_t in_f, int form) {
+    return form == FORM_Q8 ? q8_block(P, b, in_f) : form == FORM_K ? kq_block(P, b, in_f) : q4_block(P, b, in_f);
 }
+/* group g of a block: its codes, d and m loaded (K-quant groups: in kq_decode, per half), the next block's prefetched */
 static inline __attribute__((always_inline)) const unsigned char *codes_group(const unsigned char *Q, int64_t g,
                                                                                const unsigned char *ahead, vw *d,
-                                                                               vw *m, int q8) {
-    return q8 ? q8_group(Q, g, ahead, d) : q4_group(Q, g, ahead, d, m);
+                                                                               vw *m, int form) {
+    if (form == FORM_K) {
+        prefetch_group(ahead, g, KG);
+        return Q + g * KG;
+    }
+    return form == FORM_Q8 ? q8_group(Q, g, ahead, d) : q4_group(Q, g, ahead, d, m);
 }
 static inline __attribute__((always_inline)) void tile_q4(const unsigned char *Q, const float *X, int64_t in_f, int R,
-                                                           float *acc, const unsigned char *ahead, int q8) {
+                                                           float *acc, const unsigned char *ahead, int form) {
     vw a[RMAX][NV];
     for (int r = 0; r < R; r++)
         for (int j = 0; j < NV; j++) a[r][j] = (vw){0};
     for (int64_t g = 0; g < in_f / 32; g++) {
         vw d[NV], m[NV];
-        const unsigned char *G = codes_group(Q, g, ahead, d, m, q8);
+        const unsigned char *G = codes_group(Q, g, ahead, d, m, form);
         for (int k = 0; k < 32; k++) {
             vw w[NV];
-            decode_codes(G, k, d, m, w, q8);
+            decode_codes(G, k, d, m, w, form);
             const int64_t i = g * 32 + k;
             for (int r = 0; r < R; r++) {
                 const vw x = splatw(X[r * in_f + i]);
@@ -370,7 +400,10 @@ static inline __attribute__((always_inline)) void tile_q4(const unsigned char *Q
     tile_q4(Q, X, in_f, R < RMAX ? R : RMAX, acc, ahead, 0); } \
 static __attribute__((noinline)) void q8tile##R(const unsigned char *Q, const float *X, int64_t in_f, float *acc, \
                                                 const unsigned char *ahead) { \
-    tile_q4(Q, X, in_f, R < RMAX ? R : RMAX, acc, ahead, 1); }
+    tile_q4(Q, X, in_f, R < RMAX ? R : RMAX, acc, ahead, FORM_Q8); } \
+static __attribute__((noinline)) void kqtile##R(const unsigned char *Q, const float *X, int64_t in_f, float *acc, \
+                                                const unsigned char *ahead) { \
+    tile_q4(Q, X, in_f, R < RMAX ? R : RMAX, acc, ahead, FORM_K); }
 QT4(1) QT4(2) QT4(3) QT4(4) QT4(5) QT4(6) QT4(7) QT4(8) QT4(9) QT4(10) QT4(11) QT4(12)
 #undef QT4
 typedef void (*q4tile_fn)(const unsigned char *, const float *, int64_t, float *, const unsigned char *);
@@ -378,6 +411,8 @@ static const q4tile_fn Q4TILES[13] = {0, q4tile1, q4tile2, q4tile3, q4tile4, q4t
                                       q4tile9, q4tile10, q4tile11, q4tile12};
 static const q4tile_fn Q8TILES[13] = {0, q8tile1, q8tile2, q8tile3, q8tile4, q8tile5, q8tile6, q8tile7, q8tile8,
                                       q8tile9, q8tile10, q8tile11, q8tile12};
+static const q4tile_fn KQTILES[13] = {0, kqtile1, kqtile2, kqtile3, kqtile4, kqtile5, kqtile6, kqtile7, kqtile8,
+                                      kqtile9, kqtile10, kqtile11, kqtile12};
 #endif
 #if Q4_OK
 /* acc[r * NB + j] += sum over the 32 inputs of a group (decoded into S [32][NB]) of S[k, j] X[r, k], for r < R,
@@ -406,19 +441,19 @@ static const carry_fn CARRIES[13] = {0, carry1, carry2, carry3, carry4, carry5, 
                                      carry10, carry11, carry12};
 
 #define MANY 96  /* rows per pass of q4_many: its sums [MANY][NB] stay in L1 */
-/* acc [M][NB] for M <= MANY rows (more than one tile) against block Q of a Q4_1 weight (Q8_0 when q8): each group
-   is decoded once into S, then every row tile multiplies it, its sums carried in acc (the same sums, in the same
-   order, as tile_q4) */
+/* acc [M][NB] for M <= MANY rows (more than one tile) against block Q of a weight in the codes of `form`: each
+   group is decoded once into S, then every row tile multiplies it, its sums carried in acc (the same sums, in the
+   same order, as tile_q4) */
 static void q4_many(const unsigned char *Q, const float *X, int64_t in_f, int64_t M, float *acc,
-                    const unsigned char *ahead, int q8) {
+                    const unsigned char *ahead, int form) {
     float S[32 * NB] __attribute__((aligned(64)));
     memset(acc, 0, sizeof(float) * M * NB);
     for (int64_t g = 0; g < in_f / 32; g++) {
         vw d[NV], m[NV];
-        const unsigned char *G = codes_group(Q, g, ahead, d, m, q8);
+        const unsigned char *G = codes_group(Q, g, ahead, d, m, form);
         for (int k = 0; k < 32; k++) {
             vw w[NV];
-            decode_codes(G, k, d, m, w, q8);
+            decode_codes(G, k, d, m, w, form);
             memcpy(S + k * NB, w, sizeof w);
         }
         for (int64_t m0 = 0; m0 < M;) {
@@ -453,6 +488,10 @@ static inline void block_tile(const float *P, int64_t b, int next, const float *
         Q8TILES[R](q8_block(P, b, in_f), X, in_f, acc, next && t == 0 ? q8_block(P, b + 1, in_f) : 0);
         return;
     }
+    if (is_kq(P)) {
+        KQTILES[R](kq_block(P, b, in_f), X, in_f, acc, next && t == 0 ? kq_block(P, b + 1, in_f) : 0);
+        return;
+    }
 #endif
     int n;
     const float *ahead = ahead_share(next ? P + (b + 1) * in_f * NB : 0, in_f, t, T, &n);
@@ -481,13 +520,13 @@ static void linear_blocks(const float *P, const float *X, const float *B, float 
             continue;
         }
 #if Q4_OK
-        if ((is_q4(P) || is_q8(P)) && M > RMAX) {
+        if (has_codes(P) && M > RMAX) {
             float many[MANY * NB] __attribute__((aligned(64)));
-            const int q8 = is_q8(P);
+            const int form = code_form(P);
             for (int64_t m0 = 0; m0 < M; m0 += MANY) {
                 const int64_t R = M - m0 < MANY ? M - m0 : MANY;
-                q4_many(codes_block(P, b, in_f, q8), X + m0 * in_f, in_f, R, many,
-                        b + 1 < hi && m0 == 0 ? codes_block(P, b + 1, in_f, q8) : 0, q8);
+                q4_many(codes_block(P, b, in_f, form), X + m0 * in_f, in_f, R, many,
+                        b + 1 < hi && m0 == 0 ? codes_block(P, b + 1, in_f, form) : 0, form);
                 store_block(Y, many, B, b, out_f, m0, (int)R);
             }
             b++;
@@ -2188,6 +2227,32 @@ def pack_q4(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, amx: bool = False
     return torch.cat([dm, codes.reshape(nb, ng, 512)], dim=-1).contiguous()
 
 
+def kquant_codes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """(q [out, in] int8, D, m [out, in / 16] float32) that `gguf_codes.attach` found for a weight dequantized from
+    a GGUF K-quant tensor, if they still decode to it (fl(fl(D q) + m); zeros of either sign alike, which gives every
+    sum the same bits), else None."""
+    codes = weight.__dict__.get("_eagle_kquant")
+    if codes is None or codes[0].shape != weight.shape or weight.dtype != torch.float32:
+        return None
+    q, d, m = codes
+    return codes if torch.equal(d.repeat_interleave(16, 1) * q.float() + m.repeat_interleave(16, 1),
+                                weight.detach()) else None
+
+
+def pack_kq(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """The FMA kernels' K-quant layout (see the C source) of codes q [out, in] (int8) with D and m [out, in / 16]
+    (float32): [ceil(out / PACK), in / 32, 1536] bytes, for each block of 32 outputs and group of 32 inputs the 32 D
+    of the group's first 16 inputs, of its last 16, the same two for m, then each input's 32 codes; padding outputs
+    decode to zero."""
+    out_f, in_f = q.shape
+    pad = -out_f % PACK
+    q, d, m = (torch.nn.functional.pad(t, (0, 0, 0, pad)) for t in (q, d.float(), m.float()))
+    nb, ng = q.shape[0] // PACK, in_f // 32
+    codes = q.reshape(nb, PACK, ng, 32).permute(0, 2, 3, 1).reshape(nb, ng, 32 * PACK).view(torch.uint8)
+    dm = torch.stack([d, m]).reshape(2, nb, PACK, ng, 2).permute(1, 3, 0, 4, 2).contiguous()  # [nb, ng, 2, 2, 32]
+    return torch.cat([dm.view(torch.uint8).reshape(nb, ng, 16 * PACK), codes], dim=-1).contiguous()
+
+
 def pack_bf16(weight: torch.Tensor) -> torch.Tensor:
     """The tiles' bfloat16 layout of a weight [out, in] (`bf16_block` in the C source): [ceil(out / PACK), in / 32,
     2, 16, 16, 2] bfloat16, for each block of 32 outputs and group of 32 inputs two tiles (outputs 0-15 and 16-31),
@@ -2247,7 +2312,8 @@ def _pack_i8(weight: torch.Tensor) -> tuple[torch.Tensor, int]:
 def _pack_any(weight: torch.Tensor) -> tuple[torch.Tensor, int]:
     """(the kept layout, the address the kernels take): Q4_1 codes where the weight has that form and the kernel
     decodes it (the address tagged 2 for AMX tiles, else 1), Q8_0 codes where it has that one (tagged 5: the FMA
-    path, the float32 layout's bits), else `pack`'s float32 layout."""
+    path, the float32 layout's bits), K-quant codes found in its GGUF file (tagged 6: the same), else `pack`'s
+    float32 layout."""
     if Q4_1 and _q4_ok():
         form = q4_1_codes(weight)
         if form is not None:
@@ -2258,6 +2324,10 @@ def _pack_any(weight: torch.Tensor) -> tuple[torch.Tensor, int]:
         if form8 is not None:
             layout = pack_q8(*form8)
             return layout, layout.data_ptr() | 5
+        formk = kquant_codes(weight)
+        if formk is not None:
+            layout = pack_kq(*formk)
+            return layout, layout.data_ptr() | 6
     layout = pack(weight)
     return layout, layout.data_ptr()
 

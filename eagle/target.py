@@ -27,6 +27,8 @@ import torch
 from torch import nn
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
+from eagle import gguf_codes
+
 
 class TargetError(ValueError):
     """A target that cannot be loaded or used; the message names it and says why."""
@@ -361,7 +363,7 @@ def load_target(name: str, device: str | torch.device = "cpu", dtype: torch.dtyp
     """Load a target by alias, .gguf path, local directory or hub id (see module docstring)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    src = resolve_target(name)
+    src = gguf = resolve_target(name)
     if isinstance(src, Path) and src.suffix == ".gguf":
         cached = _gguf_cache_dir(src)
         if not (cached / "config.json").exists():
@@ -373,6 +375,8 @@ def load_target(name: str, device: str | torch.device = "cpu", dtype: torch.dtyp
     except OSError as e:
         raise TargetError(f"target {name!r} could not be loaded: {str(e).splitlines()[0]}") from None
     model.to(device).eval().requires_grad_(False)
+    if src is not gguf and torch.device(device).type == "cpu" and dtype == torch.float32:
+        gguf_codes.attach(model, gguf)  # K-quant tensors' codes, for the CPU kernels (eagle.gguf_codes)
     if name in ALIAS_TEMPLATES and not tok.chat_template:
         tok.chat_template = ALIAS_TEMPLATES[name]
     return TargetModel(name=name, model=model, tokenizer=tok)

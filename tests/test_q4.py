@@ -33,13 +33,13 @@ def test_q4_products_give_the_float32_products_bits(monkeypatch):
     _codes_give_the_float32_bits(monkeypatch, cpukernel.q4_1_weight, 1, tag=1)
 
 
-def _codes_give_the_float32_bits(monkeypatch, make, seed: int, tag: int) -> None:
+def _codes_give_the_float32_bits(monkeypatch, make, seed: int, tag: int, in_f: int = 64) -> None:
     """Products and gated products of weights from `make` read as codes (`packed` tagged `tag`) against their float32
     copies, at every row count: one tile; several, each group decoded once; passes of 96."""
     g = torch.Generator().manual_seed(seed)
-    w, b = make(100, 64, g), torch.randn(100, generator=g)
-    gate, up = make(96, 64, g), make(96, 64, g)
-    x = torch.randn(130, 64, generator=g)
+    w, b = make(100, in_f, g), torch.randn(100, generator=g)
+    gate, up = make(96, in_f, g), make(96, in_f, g)
+    x = torch.randn(130, in_f, generator=g)
     for rows in (1, 2, 3, 4, 8, 12, 13, 17, 30, 130):
         out = []
         for codes in (True, False):
