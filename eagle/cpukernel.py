@@ -365,7 +365,7 @@ static inline __attribute__((always_inline)) void decode_codes(const unsigned ch
 static inline const unsigned char *codes_block(const float *P, int64_t b, int64_t in_f, int form) {
     return form == FORM_Q8 ? q8_block(P, b, in_f) : form == FORM_K ? kq_block(P, b, in_f) : q4_block(P, b, in_f);
 }
-/* group g of a block: its codes, d and m loaded (K-quant groups: in kq_decode, per half), the next block's prefetched */
+/* group g of a block: its codes, d and m loaded (a K-quant group's: in kq_decode, by half); the next block's fetched */
 static inline __attribute__((always_inline)) const unsigned char *codes_group(const unsigned char *Q, int64_t g,
                                                                                const unsigned char *ahead, vw *d,
                                                                                vw *m, int form) {
