@@ -49,7 +49,8 @@ def _tensors(path: str | Path) -> list[tuple[str, tuple[int, ...], int, int]]:
     def skip(kind: int) -> None:
         nonlocal at
         if kind == 8:
-            text()
+            n = u(8)
+            at += n
         elif kind == 9:
             item, count = u(4), u(8)
             if item in VALUE_BYTES:
@@ -145,10 +146,17 @@ def tensor_codes(path: str | Path, dims: tuple[int, ...], kind: str, offset: int
             torch.from_numpy(m).reshape(rows, cols // 16))
 
 
-def _row_keys(w: torch.Tensor) -> torch.Tensor:
-    """A 64-bit key per row of w [rows, cols] from its values' bits (zeros of either sign alike)."""
-    mult = torch.randint(1, 1 << 62, (w.shape[1],), generator=torch.Generator().manual_seed(0)) | 1
-    return ((w + 0.0).view(torch.int32).to(torch.int64) * mult).sum(-1)
+CHUNK = 4096  # rows decoded, keyed or compared at a time: a tensor's float32 values are never made whole
+
+
+def _row_keys(rows: int, row_values) -> torch.Tensor:
+    """A 64-bit key per row from its values' bits (zeros of either sign alike); `row_values(a, b)` gives rows a..b-1."""
+    keys = []
+    for a in range(0, rows, CHUNK):
+        w = row_values(a, min(a + CHUNK, rows)) + 0.0
+        mult = torch.randint(1, 1 << 62, (w.shape[1],), generator=torch.Generator().manual_seed(0)) | 1
+        keys.append((w.view(torch.int32).to(torch.int64) * mult).sum(-1))
+    return torch.cat(keys)
 
 
 def attach(model: nn.Module, path: str | Path) -> int:
@@ -166,15 +174,17 @@ def attach(model: nn.Module, path: str | Path) -> int:
         if not cands:
             continue
         q, d, m = tensor_codes(path, dims, TYPE_IDS[kind], offset)
-        values = decode(q, d, m)
-        index = {k: i for i, k in enumerate(_row_keys(values).tolist())}
+        index = {k: i for i, k in enumerate(_row_keys(dims[1], lambda a, b: decode(q[a:b], d[a:b], m[a:b])).tolist())}
         for p in cands:
-            rows = [index.get(k) for k in _row_keys(p.detach()).tolist()]
+            w = p.detach()
+            rows = [index.get(k) for k in _row_keys(dims[1], lambda a, b: w[a:b]).tolist()]
             if None in rows:
                 continue
             rows = torch.tensor(rows)
-            if torch.equal(values[rows], p.detach()):
-                p.__dict__["_eagle_kquant"] = (q[rows].contiguous(), d[rows].contiguous(), m[rows].contiguous())
+            codes = q[rows], d[rows], m[rows]
+            if all(torch.equal(decode(*(c[a:a + CHUNK] for c in codes)), w[a:a + CHUNK])
+                   for a in range(0, dims[1], CHUNK)):
+                p.__dict__["_eagle_kquant"] = codes
                 found += 1
                 break
     return found

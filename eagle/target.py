@@ -20,6 +20,7 @@ import math
 import os
 import shutil
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -159,15 +160,26 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return h.hexdigest()[:16]
 
 
-def sliding_window(config) -> int | None:
-    """The window of a model's sliding-window attention layers (transformers' `sliding_window`, where its
-    `layer_types` name such layers, or for all layers where it has no `layer_types`, as Mistral), else None."""
+def sliding_window(config, by_type: bool = True) -> int | None:
+    """The window of a model's sliding-window attention layers (transformers' `sliding_window`: where the model picks
+    each layer's mask by `layer_types` (`by_type`), if they name such layers; else for all layers, as Mistral's
+    model does, whatever its config's `layer_types`), else None."""
     window = getattr(config, "sliding_window", None)
-    types = getattr(config, "layer_types", None)
+    types = getattr(config, "layer_types", None) if by_type else None
     if not window or getattr(config, "use_sliding_window", True) is False or (
             types is not None and "sliding_attention" not in types):
         return None
     return int(window)
+
+
+def _reads_layer_types(base: nn.Module) -> bool:
+    """Whether a base model's forward picks each layer's mask by `config.layer_types` from a dict it also takes as
+    `attention_mask` (Gemma-3, Qwen2); Mistral's keeps a `layer_types` in its config that it never reads."""
+    try:
+        source = inspect.getsource(type(base).forward)
+    except (OSError, TypeError):
+        return False
+    return "layer_types" in source and "dict" in source
 
 
 @dataclass
@@ -187,7 +199,8 @@ class TargetModel:
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
         self.softcap = getattr(self.config, "final_logit_softcapping", None)
         self.fingerprint = tokenizer_fingerprint(self.tokenizer)
-        self.window = sliding_window(self.config)
+        self._masks_by_type = _reads_layer_types(self.base)
+        self.window = sliding_window(self.config, self._masks_by_type)
 
     @property
     def device(self) -> torch.device:
@@ -250,7 +263,7 @@ class TargetModel:
         keys = torch.cat([torch.arange(k - n, device=mask.device).expand(pos.shape[0], -1), pos], dim=1)
         far = keys[:, None, None, :] <= pos[:, None, :, None] - self.window
         windowed = mask & ~far if mask.dtype == torch.bool else mask.masked_fill(far, torch.finfo(mask.dtype).min)
-        types = getattr(self.config, "layer_types", None)
+        types = getattr(self.config, "layer_types", None) if self._masks_by_type else None
         return windowed if types is None else {t: windowed if t == "sliding_attention" else mask for t in set(types)}
 
     @property
@@ -376,7 +389,10 @@ def load_target(name: str, device: str | torch.device = "cpu", dtype: torch.dtyp
         raise TargetError(f"target {name!r} could not be loaded: {str(e).splitlines()[0]}") from None
     model.to(device).eval().requires_grad_(False)
     if src is not gguf and torch.device(device).type == "cpu" and dtype == torch.float32:
-        gguf_codes.attach(model, gguf)  # K-quant tensors' codes, for the CPU kernels (eagle.gguf_codes)
+        try:  # K-quant tensors' codes, for the CPU kernels (eagle.gguf_codes); without them, float32 copies
+            gguf_codes.attach(model, gguf)
+        except Exception as e:  # noqa: BLE001 (only speed is at stake)
+            warnings.warn(f"{gguf}: K-quant codes not read ({type(e).__name__}: {e}); float32 weights are used")
     if name in ALIAS_TEMPLATES and not tok.chat_template:
         tok.chat_template = ALIAS_TEMPLATES[name]
     return TargetModel(name=name, model=model, tokenizer=tok)

@@ -17,6 +17,9 @@ FAMILIES = {
     "qwen2": (Qwen2Config, {}),  # biases on q / k / v
     "qwen3": (Qwen3Config, {"head_dim": 16}),  # q / k norms inside attention
     "mistral": (MistralConfig, {"sliding_window": 5}),  # a window every layer keeps, shorter than the text
+    # a `layer_types` in the config that Mistral's model never reads: the window still holds for every layer, and
+    # the model gets one mask, not masks by type
+    "mistral-typed": (MistralConfig, {"sliding_window": 5, "layer_types": ["full_attention"] * 2}),
     # norms of 1 + weight (four a layer, and q / k norms), GELU, sliding-window layers, scaled embeddings
     "gemma3": (Gemma3TextConfig, {"head_dim": 32, "sliding_window": 4, "query_pre_attn_scalar": 32}),
 }

@@ -108,3 +108,16 @@ def test_a_target_with_k_quant_weights_decodes_the_same_with_and_without_the_cod
         layer = target.model.model.layers[0].self_attn.q_proj.weight
         assert cpukernel.packed(layer) & 7 == (6 if on else 0)
     assert all(r == runs[0] for r in runs)
+
+
+def test_a_gguf_target_loads_when_its_codes_cannot_be_read(monkeypatch):
+    # the codes only save time: a file they cannot be read from still loads, with a warning
+    from eagle import load_target, target as target_module
+
+    def broken(model, path):
+        raise ValueError("unreadable")
+
+    monkeypatch.setattr(target_module.gguf_codes, "attach", broken)
+    with pytest.warns(UserWarning, match="K-quant codes not read .ValueError: unreadable"):
+        t = load_target("smollm2-135m")
+    assert t.vocab_size == 49152
