@@ -346,8 +346,11 @@ def _attention_kernel(self: nn.Module, x: torch.Tensor, position_embeddings, mas
     b, m, d = x.shape[0], x.shape[1], self.head_dim
     cos, sin = position_embeddings
     rows = _row_index(x)
-    q = cpukernel.rope_(_apply(x, self.q_proj.weight, self.q_proj.bias, self.q_proj._fast_by_rows[rows]), cos, sin, d)
-    k = cpukernel.rope_(_apply(x, self.k_proj.weight, self.k_proj.bias, self.k_proj._fast_by_rows[rows]), cos, sin, d)
+    q = _apply(x, self.q_proj.weight, self.q_proj.bias, self.q_proj._fast_by_rows[rows])
+    k = _apply(x, self.k_proj.weight, self.k_proj.bias, self.k_proj._fast_by_rows[rows])
+    if "q_norm" in self._modules:  # Qwen3's, Gemma-3's: each head's query and key normed before the rotation
+        q, k = self.q_norm(q.view(b, m, -1, d)).view(b, m, -1), self.k_norm(k.view(b, m, -1, d)).view(b, m, -1)
+    q, k = cpukernel.rope_(q, cos, sin, d), cpukernel.rope_(k, cos, sin, d)
     v = _apply(x, self.v_proj.weight, self.v_proj.bias, self.v_proj._fast_by_rows[rows])
     q, k, v = (t.view(b, m, -1, d).transpose(1, 2) for t in (q, k, v))
     if cache is not None:
@@ -474,10 +477,16 @@ def _fast_attention_forward(self: nn.Module, hidden_states: torch.Tensor, *args,
 
 
 def _is_plain_attention(mod: nn.Module) -> bool:
-    """A Llama-style attention module: exactly q / k / v / o projections the kernel takes, no other parts (no q / k
-    norms), a head size, a scaling and a layer index."""
+    """A Llama-style attention module: exactly q / k / v / o projections the kernel takes and no other parts, or
+    those and a q and a k norm of one head's size (Qwen3, Gemma-3: `_attention_kernel` only, not the one-call
+    paths), a head size, a scaling and a layer index."""
     names = {name for name, _ in mod.named_children()}
     parts = [getattr(mod, n, None) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
+    if names == {"q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm"}:
+        sizes = [getattr(getattr(mod, n), "weight", None) for n in ("q_norm", "k_norm")]
+        if not all(isinstance(w, torch.Tensor) and w.shape == (getattr(mod, "head_dim", -1),) for w in sizes):
+            return False
+        names -= {"q_norm", "k_norm"}
     return (names == {"q_proj", "k_proj", "v_proj", "o_proj"}
             and all(isinstance(p, nn.Linear) and cpukernel.supports(p.weight) and "_fast_by_rows" in p.__dict__
                     for p in parts)
@@ -519,6 +528,7 @@ def _plan_fused_attention(mod: nn.Module) -> None:
             and all(p.bias is None or (p.bias.dtype == torch.float32 and p.bias.is_contiguous()) for p in projs))
     mod._fused_dims = (heads, kv_heads, d)
     mod._fused_params = tuple(p._parameters for p in projs)
+    fits = fits and "q_norm" not in mod._modules  # the C attention has no q / k norms
     mod._fused_rows = [fits and 0 < rows <= ATTENTION_ROWS and all(p._fast_by_rows[rows] == "kernel" for p in projs)
                        for rows in range(MAX_ROWS + 1)]
 
@@ -535,7 +545,8 @@ def _plan_fused_layer(mod: nn.Module) -> bool:
     if set(parts) != LAYER_PARTS:
         return False
     attn, mlp, norm1, norm2 = (parts[n] for n in ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm"))
-    if not ("_fused_rows" in attn.__dict__ and "_fast_eps" in norm1.__dict__ and "_fast_eps" in norm2.__dict__
+    if not ("_fused_rows" in attn.__dict__ and "q_norm" not in attn._modules
+            and "_fast_eps" in norm1.__dict__ and "_fast_eps" in norm2.__dict__
             and "_fast_offset" not in norm1.__dict__ and "_fast_offset" not in norm2.__dict__
             and getattr(mlp.__dict__.get("forward"), "__func__", None) is _fast_mlp_forward
             and norm1.weight.shape == norm2.weight.shape == (mlp.down_proj.weight.shape[0],)):

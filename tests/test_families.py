@@ -53,5 +53,7 @@ def test_every_family_decodes_as_transformers_greedy(family):
     for cfg in (dict(num_speculative_tokens=3), dict(mode="dynamic", top_k=2, depth=3, total_tokens=6),
                 dict(num_speculative_tokens=2, prompt_lookup_num_tokens=4)):
         assert dec.generate(PROMPT, 32, **cfg).token_ids == plain.token_ids, cfg
+    # attention modules with q / k norms (Qwen3, Gemma-3) run the kernel attention too, norms included
+    assert target.model.model.layers[0].self_attn.__dict__.get("_fast_module")
     stock = dec.generate(PROMPT, 32, num_speculative_tokens=3, fast_linear=False)
     assert stock.token_ids == plain.token_ids
