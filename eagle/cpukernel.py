@@ -2065,6 +2065,9 @@ AMX = not os.environ.get("EAGLE_NO_AMX")
 # keeps bfloat16)
 LOW_PRECISION_DRAFTS = True
 INT8_DRAFTS = not os.environ.get("EAGLE_BF16_DRAFTS")
+# with AMX tiles, greedy screens of fewer rows than this read a second int8 copy in the VNNI pairs layout, faster
+# there than the tiles' layout (BENCHMARKS.md, thirty-fifth session); 0 keeps one copy
+SCREEN_TILE_ROWS = 5
 
 
 def pack(weight: torch.Tensor, pairs: bool = False) -> torch.Tensor:
@@ -2381,6 +2384,7 @@ def unpack(weight: torch.Tensor) -> None:
     weight.__dict__.pop("_eagle_packed_bf16", None)
     weight.__dict__.pop("_eagle_packed_i8", None)
     weight.__dict__.pop("_eagle_screen", None)
+    weight.__dict__.pop("_eagle_screen_few", None)
     weight.__dict__.pop("_eagle_address", None)
 
 
@@ -2442,7 +2446,8 @@ def rows_gated(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> torch.T
     return y
 
 
-def screen_tables(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float, float] | None:
+def screen_tables(weight: torch.Tensor, rows: int = 16
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float, float] | None:
     """`screen_argmax`'s tables for weight [out, in] (float32, `supports`): the int8 weights q = round(w / s),
     packed as `pack` packs or, where the kernel multiplies input pairs (AVX512-VNNI), as [ceil(out / 32)][in / 2]
     [32][2]; the scales s [out] (float32); the bounds C [out]: |L - A| <= |x| C for any x, L the kernel's float32
@@ -2453,10 +2458,12 @@ def screen_tables(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tor
     for the float32 arithmetic of the test itself, rounded up to float32. None for a weight with a NaN or an
     infinity. Made on first use and kept on the weight like `packed`'s copy (a quarter of its memory more). With
     AMX tiles (`amx_on` and a kernel with AMX-INT8) q is laid out for them instead (`pack_screen_tiles`): the same
-    integer sums, at about one row's cost for up to 16 rows."""
+    integer sums, at about one row's cost for up to 16 rows; for fewer than `SCREEN_TILE_ROWS` `rows` a second copy
+    in the pairs layout, kept beside it."""
     lib = _lib or library()
-    form = "tiles" if lib.screen_tiles() and amx_on() else "pairs" if lib.screen_pairs() else "rows"
-    return _kept(weight, "_eagle_screen",
+    tiles = bool(lib.screen_tiles()) and amx_on()
+    form = "tiles" if tiles and rows >= SCREEN_TILE_ROWS else "pairs" if lib.screen_pairs() else "rows"
+    return _kept(weight, "_eagle_screen_few" if tiles and form != "tiles" else "_eagle_screen",
                  lambda w: _screen_tables(w.detach(), form) if bool(torch.isfinite(w).all()) else None, form)
 
 
@@ -2507,7 +2514,7 @@ def screen_argmax(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         x = x.contiguous()
     out_f, in_f = weight.shape
     m = x.numel() // in_f
-    tables = screen_tables(weight)
+    tables = screen_tables(weight, m)
     if tables is None:
         return rows_linear(x, weight, None).argmax(-1)
     threads = torch.get_num_threads()

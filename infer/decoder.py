@@ -149,7 +149,8 @@ class SpeculativeDecoder:
         self._screen = on and screen_fits(self.target)
         self._chunked_prefill = on and self.target.device.type == "cpu"
         if self._screen:
-            cpukernel.screen_tables(lm.weight)  # made now (~1 s for SmolLM2), not in the first timed token
+            for rows in (1, 16):  # made now (~1 s each for SmolLM2), not in the first timed token
+                cpukernel.screen_tables(lm.weight, rows)
         if self.head is not None:  # the head's own products in int8 / bfloat16 where AMX tiles take them (not the
             shared = {id(p) for p in self.target.model.parameters()}  # target's)
             cpukernel.draft_precision([m.weight for m in self.head.modules() if isinstance(m, torch.nn.Linear)

@@ -373,16 +373,19 @@ def _check_screen_edge_cases() -> None:
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("tiles", [True, False])
 def test_screened_argmax_is_the_kernels_argmax_bit_for_bit(threads, tiles, monkeypatch):
-    # tiles: the AMX layout where this machine has it (tile products from 5 rows, byte products below), else the
-    # VNNI pairs' (or the float path's)
+    # tiles: the AMX layout where this machine has it (tile products from 5 rows; below, the pairs layout's second
+    # copy, or with SCREEN_TILE_ROWS = 0 byte products on the tiles' layout), else the VNNI pairs' (or the float
+    # path's)
     if tiles and not (cpukernel.library().screen_tiles() and cpukernel.amx_on()):
         pytest.skip("no AMX-INT8 here")
     monkeypatch.setattr(cpukernel, "AMX", tiles and cpukernel.AMX)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        _check_screen_against_the_kernel(3 + threads)
-        _check_screen_edge_cases()
+        for few in (5, 0) if tiles else (5,):
+            monkeypatch.setattr(cpukernel, "SCREEN_TILE_ROWS", few)
+            _check_screen_against_the_kernel(3 + threads)
+            _check_screen_edge_cases()
     finally:
         torch.set_num_threads(before)
 
