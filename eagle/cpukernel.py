@@ -52,6 +52,7 @@ from pathlib import Path
 
 import torch
 
+from eagle import gguf_codes
 from eagle.target import cache_root
 
 BLOCK = 32  # input features consumed per inner iteration: in_features must be a multiple
@@ -2237,9 +2238,7 @@ def kquant_codes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torc
     codes = weight.__dict__.get("_eagle_kquant")
     if codes is None or codes[0].shape != weight.shape or weight.dtype != torch.float32:
         return None
-    q, d, m = codes
-    return codes if torch.equal(d.repeat_interleave(16, 1) * q.float() + m.repeat_interleave(16, 1),
-                                weight.detach()) else None
+    return codes if torch.equal(gguf_codes.decode(*codes), weight.detach()) else None
 
 
 def pack_kq(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:

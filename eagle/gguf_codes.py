@@ -117,12 +117,12 @@ def decode_blocks(raw: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray, n
     d, dmin = _half(raw[:, 0:2]), _half(raw[:, 2:4])
     sc, mn = _scales_mins(raw[:, 4:16])
     qs = raw[:, 16:144] if kind == "Q4_K" else raw[:, 48:176]
+    qh = raw[:, 16:48].astype(np.int16) if kind == "Q5_K" else None
     q = np.empty((n, QK), dtype=np.int16)
     for c in range(4):  # each 64 values: the low nibbles of 32 bytes, then their high nibbles
         b = qs[:, 32 * c: 32 * c + 32].astype(np.int16)
         q[:, 64 * c: 64 * c + 32], q[:, 64 * c + 32: 64 * c + 64] = b & 15, b >> 4
-        if kind == "Q5_K":
-            qh = raw[:, 16:48].astype(np.int16)
+        if qh is not None:
             q[:, 64 * c: 64 * c + 32] |= ((qh >> (2 * c)) & 1) << 4
             q[:, 64 * c + 32: 64 * c + 64] |= ((qh >> (2 * c + 1)) & 1) << 4
     big = (d * sc.astype(np.float32)).astype(np.float32)  # per sub-block of 32, exact
@@ -151,10 +151,11 @@ CHUNK = 4096  # rows decoded, keyed or compared at a time: a tensor's float32 va
 
 def _row_keys(rows: int, row_values) -> torch.Tensor:
     """A 64-bit key per row from its values' bits (zeros of either sign alike); `row_values(a, b)` gives rows a..b-1."""
-    keys = []
+    keys, mult = [], None
     for a in range(0, rows, CHUNK):
         w = row_values(a, min(a + CHUNK, rows)) + 0.0
-        mult = torch.randint(1, 1 << 62, (w.shape[1],), generator=torch.Generator().manual_seed(0)) | 1
+        if mult is None:  # the same odd multipliers for every row of every call
+            mult = torch.randint(1, 1 << 62, (w.shape[1],), generator=torch.Generator().manual_seed(0)) | 1
         keys.append((w.view(torch.int32).to(torch.int64) * mult).sum(-1))
     return torch.cat(keys)
 
