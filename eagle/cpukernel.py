@@ -13,7 +13,11 @@
   AMX tiles (Sapphire Rapids and later) those codes are multiplied on them instead (`amx_on`; `EAGLE_NO_AMX=1`
   keeps the FMA path): bfloat16 tile products of the exact codes and of each input split exactly into three
   bfloat16 parts, so float32 accuracy, other bits than the float32 path's, and 16 rows at about twice the cost of
-  one instead of four times.
+  one instead of four times. Without AMX, where the CPU has AVX512-VNNI and VBMI (Zen 4, Ice Lake and later), calls
+  of up to 64 rows multiply the codes by byte products instead (`vq_linear`; `VNNI`, `EAGLE_NO_VNNI=1` keeps the
+  FMA path): each input split exactly enough into three bytes a value for float32 accuracy, the integer sums
+  exact. Decoding the codes to float32 had bound the FMA path by arithmetic on Zen 4: a one-token SmolLM2 pass
+  1.3x faster, 2-8 rows 1.2-1.4x (BENCHMARKS.md, thirty-sixth session).
 - `rows_gated`: a gated MLP's `silu(x @ G.T) * (x @ U.T)` in one pass over both weights.
 - `rms_norm`: an RMS norm of each row in one call (the stock module is eight small torch ops).
 - `attend`: attention of a few query rows over the KV cache, grouped-query heads read in place.
@@ -28,9 +32,9 @@
   With AVX512-VNNI the int8 estimate is integer arithmetic on x rounded to int16 (its rounding in the bound too).
 
 Every output row is computed alone, in the same order whatever the number of rows (each product summed over the
-inputs in order, one FMA each, or on AMX tiles group by group; a fixed reduction elsewhere; masked keys adding exact
-zeros), so a verification pass
-over M tokens gives each token exactly the bits a single-token step gives it (tests/test_attention.py checks a
+inputs in order, one FMA each, or on AMX tiles or in byte products group by group; a fixed reduction elsewhere;
+masked keys adding exact zeros), so a verification pass over M tokens (up to 64 with byte products) gives each
+token exactly the bits a single-token step gives it (tests/test_attention.py checks a
 whole model).
 
 The source is compiled once per machine with the system C compiler (`cc -O3 -march=native -fopenmp`) into
@@ -210,9 +214,9 @@ static inline void store_block(float *Y, const float *acc, const float *B, int64
    same float32 values, so every product keeps its bits. Layout of block b (outputs 32 b .. 32 b + 31), for each
    group g of 32 inputs, QG bytes: d[32] and m[32] as float16 (as GGUF stores them: exact), then for each input of
    the group 16 bytes, byte j holding output j's q in its low four bits and output 16 + j's in its high four. The
-   address of such a weight is tagged with its lowest bit set. */
+   address of such a weight is tagged 1 (7 for the byte products of `vq_linear`). */
 #define QG (128 + 32 * 16)
-static inline int is_q4(const float *P) { return ((uintptr_t)P & 7) == 1; }
+static inline int is_q4(const float *P) { return ((uintptr_t)P & 7) == 1 || ((uintptr_t)P & 7) == 7; }
 /* the bytes of a weight at tagged address P (any layout but float32's, whose tag is 0; layouts are 64-byte aligned,
    so the three lowest bits are free for tags) */
 static inline const unsigned char *untag(const float *P) {
@@ -466,6 +470,160 @@ static void q4_many(const unsigned char *Q, const float *X, int64_t in_f, int64_
 }
 #endif
 
+/* Q4_1 codes multiplied by byte products (AVX512-VNNI; the address tagged 7, the layout of tag 1): each input row is
+   split, per group of its 32 inputs, into three bytes a value: with s a power of two, max |x| <= 127 s (about),
+   x = s (hi + mid / 256 + lo / 65536) + e, hi = floor(x / s), mid = floor of the next 8 bits, lo the next 8 rounded
+   (at most 255), so |e| <= s / 2^17 (s / 2^16 where lo's rounding stops at 255): float32's accuracy for the group's
+   largest value. Byte products take an unsigned and a signed byte: the codes (0-15) serve as either, hi is
+   signed, mid and lo unsigned. The integer sums are exact; then sum_k w_k x_k = d s (H + ML / 65536) +
+   m sum_k x_k with H = sum q hi, ML = sum q (256 mid + lo), in float32 with one rounding for the group. Each row's
+   sums do not depend on the other rows, so a verification pass gives each row a one-row call's bits (other bits
+   than the FMA path's: the same float32 accuracy). A row with a non-finite value sends the call to the FMA path.
+   Measured on Zen 4 (BENCHMARKS.md, thirty-sixth session): whole SmolLM2 passes 1.3-1.4x faster at 1-4 rows,
+   1.1-1.2x at 6-8, 0.93-0.96x at 12-16, where the FMA path's tiles of 12 rows share each decoded weight; the byte
+   products serve up to VQ_MAX rows anyway, so every verification pass keeps each row's one-row bits. */
+#if Q4_OK && defined(__AVX512VNNI__) && defined(__AVX512VBMI__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
+#define VQ_OK 1
+#define VQ_MAX 64  /* rows up to which the byte products serve; beyond, q4_many decodes each group once for all */
+#define VQ_ROWS 3  /* rows a tile: 3 rows x 3 parts x 2 halves = 18 int32 sums in registers (4 rows spill) */
+static inline int is_vq(const float *P) { return ((uintptr_t)P & 7) == 7; }
+typedef struct { const int8_t *X; const float *S, *SX; int64_t G; } vq_rows;  /* X [M][G][3][32]; S, SX [M][G] */
+/* a's bytes of X [M][in_f] in this thread's buffer; 0 if a value is not finite */
+static int vq_prepare(const float *X, int64_t M, int64_t in_f, vq_rows *a) {
+    static __thread void *buf;
+    static __thread size_t cap;
+    const int64_t G = in_f / 32;
+    const size_t n = (size_t)(M * G) * (96 + 2 * sizeof(float));
+    if (n > cap) {
+        free(buf);
+        cap = (n + 4095) / 4096 * 4096;
+        buf = aligned_alloc(64, cap);
+    }
+    int8_t *P = buf;
+    float *S = (float *)(P + M * G * 96), *SX = S + M * G;
+    for (int64_t rg = 0; rg < M * G; rg++) {
+        const float *x = X + (rg / G) * in_f + (rg % G) * 32;
+        const __m512 x0 = _mm512_loadu_ps(x), x1 = _mm512_loadu_ps(x + 16);
+        if (_mm512_fpclass_ps_mask(x0, 0x99) | _mm512_fpclass_ps_mask(x1, 0x99)) return 0;  /* NaN or infinity */
+        const float mx = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
+        int e = 0;
+        const float f = mx > 1e-30f ? frexpf(mx / 127.0f, &e) : 0.0f;  /* mx / 127 = f 2^e, f in [0.5, 1) */
+        const float s = f == 0.0f ? 1.0f : ldexpf(1.0f, f == 0.5f ? e - 1 : e), inv = 1.0f / s;  /* both exact */
+        const __m512 zero = _mm512_setzero_ps(), top = _mm512_set1_ps(255.0f), k256 = _mm512_set1_ps(256.0f);
+        for (int h = 0; h < 2; h++) {
+            const __m512 y = f == 0.0f ? zero : _mm512_mul_ps(h ? x1 : x0, _mm512_set1_ps(inv));
+            const __m512 hi = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+            const __m512 r1 = _mm512_mul_ps(_mm512_sub_ps(y, hi), k256);  /* exact: [0, 256) */
+            const __m512 mid = _mm512_roundscale_ps(r1, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+            const __m512 r2 = _mm512_mul_ps(_mm512_sub_ps(r1, mid), k256);  /* exact: [0, 256) */
+            const __m512 lo = _mm512_min_ps(_mm512_roundscale_ps(r2, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
+                                            top);
+            int8_t *p = P + rg * 96 + 16 * h;
+            _mm_storeu_si128((__m128i *)p, _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(hi)));
+            _mm_storeu_si128((__m128i *)(p + 32), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(mid)));
+            _mm_storeu_si128((__m128i *)(p + 64), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(lo)));
+        }
+        S[rg] = s;
+        SX[rg] = _mm512_reduce_add_ps(_mm512_add_ps(x0, x1));
+    }
+    a->X = P, a->S = S, a->SX = SX, a->G = G;
+    return 1;
+}
+/* one input quad t of group g: the sums H, MD, L [R][2] of rows r .. r + R - 1 take codes c [2] (outputs 0-15,
+   16-31; each 32-bit lane one output's four codes) */
+static inline __attribute__((always_inline)) void vq_quad(const __m512i *c, const vq_rows *a, int64_t r, int64_t g,
+                                                           int t, int R, __m512i (*H)[2], __m512i (*MD)[2],
+                                                           __m512i (*L)[2]) {
+    for (int i = 0; i < R; i++) {
+        const int8_t *xp = a->X + ((r + i) * a->G + g) * 96 + 4 * t;
+        int32_t xh, xm, xl;
+        memcpy(&xh, xp, 4), memcpy(&xm, xp + 32, 4), memcpy(&xl, xp + 64, 4);
+        const __m512i bh = _mm512_set1_epi32(xh), bm = _mm512_set1_epi32(xm), bl = _mm512_set1_epi32(xl);
+        for (int h = 0; h < 2; h++) {
+            H[i][h] = _mm512_dpbusd_epi32(H[i][h], c[h], bh);
+            MD[i][h] = _mm512_dpbusd_epi32(MD[i][h], bm, c[h]);
+            L[i][h] = _mm512_dpbusd_epi32(L[i][h], bl, c[h]);
+        }
+    }
+}
+/* acc [R][NB] += the group's sums d s (H + ML / 65536) + m sum x for rows r .. r + R - 1 */
+static inline __attribute__((always_inline)) void vq_scale(__m512i (*H)[2], __m512i (*MD)[2], __m512i (*L)[2],
+                                                            const __m512 *d, const __m512 *m, const vq_rows *a,
+                                                            int64_t r, int64_t g, int R, float *acc) {
+    for (int i = 0; i < R; i++) {
+        const __m512 s = _mm512_set1_ps(a->S[(r + i) * a->G + g]), sx = _mm512_set1_ps(a->SX[(r + i) * a->G + g]);
+        for (int h = 0; h < 2; h++) {  /* 0 <= ML < 2^25: its float32 rounds at most 1 in 65536 s; the sum once */
+            const __m512i ml = _mm512_add_epi32(_mm512_slli_epi32(MD[i][h], 8), L[i][h]);
+            const __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ml), _mm512_set1_ps(1.0f / 65536.0f),
+                                             _mm512_cvtepi32_ps(H[i][h]));
+            __m512 y = _mm512_loadu_ps(acc + i * NB + 16 * h);
+            y = _mm512_fmadd_ps(v, _mm512_mul_ps(d[h], s), y);
+            _mm512_storeu_ps(acc + i * NB + 16 * h, _mm512_fmadd_ps(m[h], sx, y));
+        }
+    }
+}
+/* quad t of a Q4_1 group's codes (inputs 4t .. 4t + 3, 16 bytes each) as c [2]: each 32-bit lane one output's four */
+static inline __attribute__((always_inline)) void vq_codes(const unsigned char *G, int t, __m512i perm, __m512i *c) {
+    const __m512i p = _mm512_permutexvar_epi8(perm, _mm512_loadu_si512(G + 128 + 64 * t)), low = _mm512_set1_epi8(15);
+    c[0] = _mm512_and_si512(p, low);
+    c[1] = _mm512_and_si512(_mm512_srli_epi16(p, 4), low);
+}
+/* acc [R][NB] = rows r .. r + R - 1 (R <= VQ_ROWS) of a against block Q (Q4_1 layout), each quad's codes decoded
+   into registers; the next block's groups fetched ahead */
+static inline __attribute__((always_inline)) void vq_rows_block(const unsigned char *Q, const vq_rows *a, int64_t r,
+                                                                 int R, float *acc, const unsigned char *ahead) {
+    uint8_t index[64];  /* byte 4 j + k of a lane-ordered quad: input k's byte j */
+    for (int j = 0; j < 16; j++)
+        for (int k = 0; k < 4; k++) index[4 * j + k] = (uint8_t)(16 * k + j);
+    const __m512i perm = _mm512_loadu_si512(index);
+    memset(acc, 0, sizeof(float) * R * NB);
+    for (int64_t g = 0; g < a->G; g++) {
+        const unsigned char *G = Q + g * QG;
+        prefetch_group(ahead, g, QG);
+        __m512i H[VQ_ROWS][2], MD[VQ_ROWS][2], L[VQ_ROWS][2];
+        for (int i = 0; i < R; i++)
+            for (int h = 0; h < 2; h++) H[i][h] = MD[i][h] = L[i][h] = _mm512_setzero_si512();
+        for (int t = 0; t < 8; t++) {
+            __m512i c[2];
+            vq_codes(G, t, perm, c);
+            vq_quad(c, a, r, g, t, R, H, MD, L);
+        }
+        __m512 d[2], m[2];
+        for (int h = 0; h < 2; h++) {
+            d[h] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(G + 32 * h)));
+            m[h] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(G + 64 + 32 * h)));
+        }
+        vq_scale(H, MD, L, d, m, a, r, g, R, acc);
+    }
+}
+#define VQB(R) static __attribute__((noinline)) void vq_block##R(const unsigned char *Q, const vq_rows *a, int64_t r, \
+                                                                  float *acc, const unsigned char *ahead) { \
+    vq_rows_block(Q, a, r, R, acc, ahead); }
+VQB(1) VQB(2) VQB(3)
+#undef VQB
+typedef void (*vq_block_fn)(const unsigned char *, const vq_rows *, int64_t, float *, const unsigned char *);
+static const vq_block_fn VQBLOCKS[VQ_ROWS + 1] = {0, vq_block1, vq_block2, vq_block3};
+/* acc [R][NB] = rows r0 .. r0 + R - 1 of a against block Q, by tiles of up to VQ_ROWS rows (the first fetches the
+   next block) */
+static void vq_block(const unsigned char *Q, const vq_rows *a, int64_t r0, int64_t R, float *acc,
+                     const unsigned char *ahead) {
+    for (int64_t i = 0; i < R; i += VQ_ROWS)
+        VQBLOCKS[R - i < VQ_ROWS ? R - i : VQ_ROWS](Q, a, r0 + i, acc + i * NB, i ? 0 : ahead);
+}
+static void vq_linear(const float *P, const vq_rows *a, const float *B, float *Y, int64_t lo, int64_t hi,
+                      int64_t out_f, int64_t in_f, int64_t M) {
+    float acc[VQ_MAX * NB];
+    for (int64_t b = lo; b < hi; b++) {
+        vq_block(q4_block(P, b, in_f), a, 0, M, acc, b + 1 < hi ? q4_block(P, b + 1, in_f) : 0);
+        store_block(Y, acc, B, b, out_f, 0, (int)M);
+    }
+}
+#else
+#define VQ_OK 0
+static inline int is_vq(const float *P) { (void)P; return 0; }
+#endif
+int vq_supported(void) { return VQ_OK; }
+
 /* rows m0 .. m0 + R - 1 of X against block b of weight P (either layout) into acc; `next`: block b + 1 exists */
 static inline void block_tile(const float *P, int64_t b, int next, const float *X, int64_t in_f, int R, float *acc,
                               int t, int T) {
@@ -506,6 +664,13 @@ static void linear_blocks(const float *P, const float *X, const float *B, float 
         i8_linear(P, X, B, Y, lo, hi, out_f, in_f, M);
         return;
     }
+#if VQ_OK
+    vq_rows a;
+    if (is_vq(P) && M <= VQ_MAX && vq_prepare(X, M, in_f, &a)) {
+        vq_linear(P, &a, B, Y, lo, hi, out_f, in_f, M);
+        return;
+    }
+#endif
 #if AMX_OK
     if (on_tiles(P)) {
         amx_linear(P, X, B, Y, lo, hi, out_f, in_f, M);
@@ -1020,6 +1185,19 @@ static void gated_chunk(const float *G, const float *U, const float *X, float *Y
     }
 #endif
     const int64_t nblk = (out_f + NB - 1) / NB;
+#if VQ_OK
+    vq_rows a;  /* the rows' bytes made once, in this thread's buffer, for all threads */
+    if (is_vq(G) && is_vq(U) && M <= VQ_MAX && vq_prepare(X, M, in_f, &a)) {
+        #pragma omp parallel for num_threads(nthreads) schedule(static)
+        for (int64_t b = 0; b < nblk; b++) {
+            float g[VQ_MAX * NB], u[VQ_MAX * NB];
+            vq_block(q4_block(G, b, in_f), &a, 0, M, g, b + 1 < nblk ? q4_block(G, b + 1, in_f) : 0);
+            vq_block(q4_block(U, b, in_f), &a, 0, M, u, b + 1 < nblk ? q4_block(U, b + 1, in_f) : 0);
+            store_gated(Y, g, u, out_f, b * NB, out_f - b * NB < NB ? out_f - b * NB : NB, 0, M);
+        }
+        return;
+    }
+#endif
     const int T = tile_count(M);
     #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t b = 0; b < nblk; b++) {
@@ -2020,6 +2198,7 @@ def load(path: Path) -> ctypes.CDLL:
     lib.screen_pairs.argtypes, lib.screen_pairs.restype = [], ctypes.c_int
     lib.screen_tiles.argtypes, lib.screen_tiles.restype = [], ctypes.c_int
     lib.q4_supported.argtypes, lib.q4_supported.restype = [], ctypes.c_int
+    lib.vq_supported.argtypes, lib.vq_supported.restype = [], ctypes.c_int
     lib.amx_enable.argtypes, lib.amx_enable.restype = [], ctypes.c_int
     for fn in (lib.rows_linear, lib.rows_gated, lib.rms_norm, lib.rope, lib.attend, lib.attention_block,
                lib.decoder_layer, lib.decoder_stack, lib.kv_compact):
@@ -2064,6 +2243,10 @@ AMX = not os.environ.get("EAGLE_NO_AMX")
 # multiply the weights `draft_precision` marks (an EAGLE head's, while drafting) on AMX tiles in bfloat16, or where
 # the CPU has AMX-INT8 in int8 with a scale per output (`pack_i8`: a quarter of float32's bytes; EAGLE_BF16_DRAFTS=1
 # keeps bfloat16)
+# without AMX tiles, multiply Q4_1 codes by byte products where the CPU has AVX512-VNNI and VBMI (`vq_linear`: float32
+# accuracy, other bits than the FMA path's, each row's bits the same at every row count); EAGLE_NO_VNNI=1 keeps the
+# FMA path
+VNNI = not os.environ.get("EAGLE_NO_VNNI")
 LOW_PRECISION_DRAFTS = True
 INT8_DRAFTS = not os.environ.get("EAGLE_BF16_DRAFTS")
 # with AMX tiles, greedy screens of fewer rows than this read a second int8 copy in the VNNI pairs layout, faster
@@ -2356,12 +2539,13 @@ def packed(weight: torch.Tensor) -> int:
     """Address of `weight` in the kernels' layout, made on first use and kept on the tensor itself until the weight
     changes in place (an optimizer step) or moves: Q4_1 codes for a weight dequantized from GGUF Q4_1 (0.625 bytes a
     weight; on the FMA path decoded to the same float32 values, so every product keeps its bits; on AMX tiles
-    (`amx_on`) summed in another order with float32 accuracy), else `pack`'s float32 copy (twice the weight's memory).
-    Each setting of `Q4_1` and `AMX` keeps its own copy, so a benchmark can switch between them. A weight
-    `draft_precision` marked is read in int8 (`pack_i8`, tag 4) or bfloat16 (`pack_bf16`, tag 3) instead where
-    `in_draft_precision` says so. The answer is kept on the weight with every setting it depends on, so a
+    (`amx_on`) summed in another order with float32 accuracy, and so without them in byte products where `VNNI` and
+    the kernel allow: the same layout, the address tagged 7 instead of 1), else `pack`'s float32 copy (twice the
+    weight's memory). Each setting of `Q4_1` and `AMX` keeps its own copy, so a benchmark can switch between them.
+    A weight `draft_precision` marked is read in int8 (`pack_i8`, tag 4) or bfloat16 (`pack_bf16`, tag 3) instead
+    where `in_draft_precision` says so. The answer is kept on the weight with every setting it depends on, so a
     decoding step's ~100 calls cost a dictionary lookup each."""
-    return _kept(weight, "_eagle_address", _packed_address, Q4_1, AMX, LOW_PRECISION_DRAFTS, INT8_DRAFTS,
+    return _kept(weight, "_eagle_address", _packed_address, Q4_1, AMX, VNNI, LOW_PRECISION_DRAFTS, INT8_DRAFTS,
                  torch.is_grad_enabled())
 
 
@@ -2372,7 +2556,8 @@ def _packed_address(weight: torch.Tensor) -> int:
         return _kept(weight, "_eagle_packed_bf16", _pack_bf16)[1]
     amx = amx_on()
     name = ("_eagle_packed_amx" if amx else "_eagle_packed_q4") if Q4_1 else "_eagle_packed"
-    return _kept(weight, name, _pack_any, Q4_1, amx)[1]
+    address = _kept(weight, name, _pack_any, Q4_1, amx)[1]
+    return address | 7 if address & 7 == 1 and VNNI and (_lib or library()).vq_supported() else address
 
 
 def unpack(weight: torch.Tensor) -> None:

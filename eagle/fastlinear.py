@@ -628,11 +628,11 @@ def _plan_stack(mod: nn.Module) -> bool:
 
 def _stack_table(mod: nn.Module, cache: DynamicCache) -> tuple:
     """(addresses [L, STACK_SLOTS], epsilons [L, 2], key strides [L]) for `cpukernel.decoder_stack`: the weights'
-    part made again only when a weight changed in place or moved, or the Q4_1 switch changed (as
+    part made again only when a weight changed in place or moved, or the Q4_1, AMX or VNNI switch changed (as
     `cpukernel.packed` would), the caches' part when their buffers moved. The weights are read once per cache (a
     cache belongs to one set of weights): later passes with the same cache reuse the table while no buffer was made
     since."""
-    switches = (cpukernel.Q4_1, cpukernel.amx_on())
+    switches = (cpukernel.Q4_1, cpukernel.amx_on(), cpukernel.VNNI)
     kept = mod.__dict__.get("_stack_table")
     mark = cache.__dict__.get("_stack_mark")
     if mark is not None and mark[0] is kept and mark[1:] == (PreallocatedLayer.buffers_made, switches):

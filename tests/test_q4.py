@@ -30,6 +30,7 @@ def test_q4_products_give_the_float32_products_bits(monkeypatch):
     # the FMA path: the same float32 weights and the same sums in the same order, so the same bits, for every row
     # count
     monkeypatch.setattr(cpukernel, "AMX", False)
+    monkeypatch.setattr(cpukernel, "VNNI", False)
     _codes_give_the_float32_bits(monkeypatch, cpukernel.q4_1_weight, 1, tag=1)
 
 
@@ -82,6 +83,7 @@ def test_decoding_a_q4_1_target_is_the_same_with_and_without_the_codes(monkeypat
     prompt = [5, 9, 14, 22, 7]
     runs = []
     monkeypatch.setattr(cpukernel, "AMX", False)  # the FMA path keeps the float32 weights' bits
+    monkeypatch.setattr(cpukernel, "VNNI", False)
     for on in (True, False):
         monkeypatch.setattr(cpukernel, "Q4_1", on)
         runs += [dec.generate(prompt, max_new_tokens=24, speculative=False).token_ids,
@@ -91,10 +93,13 @@ def test_decoding_a_q4_1_target_is_the_same_with_and_without_the_codes(monkeypat
     assert all(r == runs[0] for r in runs)
     monkeypatch.setattr(cpukernel, "Q4_1", True)
     monkeypatch.setattr(cpukernel, "AMX", True)
-    if cpukernel.amx_on():  # on AMX tiles: other bits, and speculative decoding still gives greedy's tokens
+    monkeypatch.setattr(cpukernel, "VNNI", True)
+    tag = 2 if cpukernel.amx_on() else 7 if cpukernel.library().vq_supported() else 0
+    if tag:  # on AMX tiles or VNNI byte products: other bits, and speculative decoding still gives greedy's tokens
         greedy = dec.generate(prompt, max_new_tokens=24, speculative=False).token_ids
-        assert cpukernel.packed(layer) & 3 == 2
-        assert dec.generate(prompt, max_new_tokens=24, num_speculative_tokens=3).token_ids == greedy
+        assert cpukernel.packed(layer) & 7 == tag
+        for k in (1, 3, 6):
+            assert dec.generate(prompt, max_new_tokens=24, num_speculative_tokens=k).token_ids == greedy
 
 
 def test_q8_0_form_is_found_and_its_products_give_the_float32_bits(monkeypatch):
@@ -111,3 +116,40 @@ def test_q8_0_form_is_found_and_its_products_give_the_float32_bits(monkeypatch):
     nudged[50, 9] = torch.nextafter(nudged[50, 9], torch.tensor(1.0))
     assert cpukernel.q8_0_codes(nudged) is None and cpukernel.q8_0_codes(torch.zeros(32, 64)) is not None
     _codes_give_the_float32_bits(monkeypatch, cpukernel.q8_0_weight, 4, tag=5)
+
+
+@pytest.mark.skipif(not (cpukernel.available() and cpukernel.library().vq_supported()),
+                    reason="no AVX512-VNNI and VBMI here")
+def test_vnni_byte_products_keep_each_rows_bits_with_float32_accuracy(monkeypatch):
+    # without AMX tiles, Q4_1 codes go to byte products (tag 7): other bits than the FMA path's, the error of float32
+    # sums or less, and every row the same bits whatever the row count and its place among the rows (up to 64
+    # rows, in tiles of 3)
+    monkeypatch.setattr(cpukernel, "AMX", False)
+    monkeypatch.setattr(cpukernel, "VNNI", True)
+    g = torch.Generator().manual_seed(7)
+    w, b = cpukernel.q4_1_weight(100, 96, g), torch.randn(100, generator=g)
+    gate, up, plain_up = cpukernel.q4_1_weight(96, 64, g), cpukernel.q4_1_weight(96, 64, g), torch.randn(96, 64)
+    assert cpukernel.packed(w) & 7 == 7 and cpukernel.packed(plain_up) & 7 == 0
+    x, xg = torch.randn(64, 96, generator=g) * 3, torch.randn(64, 64, generator=g)
+    x[5, :32] *= 1e-6  # a group of tiny values, and one of zeros: their own scales
+    x[9, 32:64] = 0.0
+    exact = x.double() @ w.double().T + b.double()
+    silu = torch.nn.functional.silu
+    exact_g = silu(xg.double() @ gate.double().T) * (xg.double() @ up.double().T)
+    exact_mixed = silu(xg.double() @ gate.double().T) * (xg.double() @ plain_up.double().T)
+    whole = [cpukernel.rows_linear(x, w, b), cpukernel.rows_gated(xg, gate, up),
+             cpukernel.rows_gated(xg, gate, plain_up)]  # the last: a gate in codes, an up in float32 (the FMA path)
+    for got, want in zip(whole, (exact, exact_g, exact_mixed)):
+        assert ((got.double() - want).abs().max() / want.abs().max()).item() < 2e-6
+    assert ((whole[0][5].double() - exact[5]).abs().max() / exact[5].abs().max()).item() < 2e-6
+    for lo, hi in ((0, 1), (7, 8), (0, 2), (4, 7), (5, 21), (1, 64)):
+        part = [cpukernel.rows_linear(x[lo:hi], w, b), cpukernel.rows_gated(xg[lo:hi], gate, up)]
+        assert all(torch.equal(a, c[lo:hi]) for a, c in zip(part, whole))
+    monkeypatch.setattr(cpukernel, "VNNI", False)
+    fma = cpukernel.rows_linear(x, w, b)
+    assert not torch.equal(fma, whole[0])  # other bits indeed
+    bad = x[:3].clone()
+    bad[1, 7] = float("nan")  # a row with a NaN: the call takes the FMA path, which carries it
+    monkeypatch.setattr(cpukernel, "VNNI", True)
+    got = cpukernel.rows_linear(bad, w, b)
+    assert torch.isnan(got[1]).all() and torch.equal(got[[0, 2]], fma[[0, 2]])

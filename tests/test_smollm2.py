@@ -75,7 +75,8 @@ def test_chain_drafts_through_the_screen_are_the_draft_logits_argmax(target, bas
 def test_smollm2_weights_are_read_as_q4_1_codes_with_the_same_bits(target, baselines, monkeypatch):
     """Every decoder weight of SmolLM2 (a GGUF Q4_1 file) is found in Q4_1 form and read as codes, 0.75 bytes a
     weight instead of 4: on the FMA path a tree-masked verification pass gives the float32 copies' features bit for
-    bit; on AMX tiles (other bits) its first row gives the one-token step's features bit for bit."""
+    bit; on AMX tiles or VNNI byte products (other bits) its first row gives the one-token step's features bit for
+    bit."""
     from eagle import cpukernel
     from infer.cache import TargetCache
 
@@ -93,9 +94,10 @@ def test_smollm2_weights_are_read_as_q4_1_codes_with_the_same_bits(target, basel
     new = torch.tensor([baselines[0].token_ids[:4]])
     feats = []
     with torch.inference_mode():
-        for on, amx in ((True, False), (False, False), (True, True)):
+        for on, fast in ((True, False), (False, False), (True, True)):
             monkeypatch.setattr(cpukernel, "Q4_1", on)
-            monkeypatch.setattr(cpukernel, "AMX", amx)
+            monkeypatch.setattr(cpukernel, "AMX", fast)
+            monkeypatch.setattr(cpukernel, "VNNI", fast)
             cache = TargetCache()
             target.features(ids, position_ids=torch.arange(n)[None], cache=cache.hf)
             step = target.features(new[:, :1], position_ids=torch.tensor([[n]]), cache=cache.hf)
@@ -103,7 +105,8 @@ def test_smollm2_weights_are_read_as_q4_1_codes_with_the_same_bits(target, basel
             tree_pass = target.features(new, position_ids=torch.tensor([[n, n + 1, n + 1, n + 2]]),
                                         cache=cache.hf, attention_mask=mask)
             feats.append((step, tree_pass))
-            assert cpukernel.packed(weights[0]) & 3 == (0 if not on else 2 if cpukernel.amx_on() else 1)
+            vnni = fast and cpukernel.library().vq_supported()
+            assert cpukernel.packed(weights[0]) & 7 == (0 if not on else 2 if cpukernel.amx_on() else 7 if vnni else 1)
     dec.use_fast_path(False)
     assert torch.equal(feats[0][0], feats[1][0]) and torch.equal(feats[0][1], feats[1][1])
     step, tree_pass = feats[2]
