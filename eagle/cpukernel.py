@@ -14,10 +14,10 @@
   keeps the FMA path): bfloat16 tile products of the exact codes and of each input split exactly into three
   bfloat16 parts, so float32 accuracy, other bits than the float32 path's, and 16 rows at about twice the cost of
   one instead of four times. Without AMX, where the CPU has AVX512-VNNI and VBMI (Zen 4, Ice Lake and later), calls
-  of up to 64 rows multiply the codes by byte products instead (`vq_linear`; `VNNI`, `EAGLE_NO_VNNI=1` keeps the
-  FMA path): each input split exactly enough into three bytes a value for float32 accuracy, the integer sums
-  exact. Decoding the codes to float32 had bound the FMA path by arithmetic on Zen 4: a one-token SmolLM2 pass
-  1.3x faster, 2-8 rows 1.2-1.4x (BENCHMARKS.md, thirty-sixth session).
+  of up to 64 rows multiply the codes (Q4_1, the Q8_0 form's, K-quants') by byte products instead (`vq_linear`;
+  `VNNI`, `EAGLE_NO_VNNI=1` keeps the FMA path): each input split exactly enough into three bytes a value for float32
+  accuracy, the integer sums exact. Decoding the codes to float32 had bound the FMA path by arithmetic on Zen 4: a
+  SmolLM2 pass of 1-2 tokens 1.4x faster, 3-8 tokens 1.05-1.2x (BENCHMARKS.md, thirty-sixth session).
 - `rows_gated`: a gated MLP's `silu(x @ G.T) * (x @ U.T)` in one pass over both weights.
 - `rms_norm`: an RMS norm of each row in one call (the stock module is eight small torch ops).
 - `attend`: attention of a few query rows over the KV cache, grouped-query heads read in place.
@@ -214,13 +214,13 @@ static inline void store_block(float *Y, const float *acc, const float *B, int64
    same float32 values, so every product keeps its bits. Layout of block b (outputs 32 b .. 32 b + 31), for each
    group g of 32 inputs, QG bytes: d[32] and m[32] as float16 (as GGUF stores them: exact), then for each input of
    the group 16 bytes, byte j holding output j's q in its low four bits and output 16 + j's in its high four. The
-   address of such a weight is tagged 1 (7 for the byte products of `vq_linear`). */
+   address of such a weight is tagged 1 (and bit 3, 8, set for the byte products of `vq_linear`). */
 #define QG (128 + 32 * 16)
-static inline int is_q4(const float *P) { return ((uintptr_t)P & 7) == 1 || ((uintptr_t)P & 7) == 7; }
+static inline int is_q4(const float *P) { return ((uintptr_t)P & 7) == 1; }
 /* the bytes of a weight at tagged address P (any layout but float32's, whose tag is 0; layouts are 64-byte aligned,
    so the three lowest bits are free for tags) */
 static inline const unsigned char *untag(const float *P) {
-    return (const unsigned char *)((uintptr_t)P & ~(uintptr_t)7);
+    return (const unsigned char *)((uintptr_t)P & ~(uintptr_t)15);
 }
 /* block b of the Q4_1 weight at tagged address P */
 static inline const unsigned char *q4_block(const float *P, int64_t b, int64_t in_f) {
@@ -470,30 +470,34 @@ static void q4_many(const unsigned char *Q, const float *X, int64_t in_f, int64_
 }
 #endif
 
-/* Q4_1 codes multiplied by byte products (AVX512-VNNI; the address tagged 7, the layout of tag 1): each input row is
-   split, per group of its 32 inputs, into three bytes a value: with s a power of two, max |x| <= 127 s (about),
-   x = s (hi + mid / 256 + lo / 65536) + e, hi = floor(x / s), mid = floor of the next 8 bits, lo the next 8 rounded
-   (at most 255), so |e| <= s / 2^17 (s / 2^16 where lo's rounding stops at 255): float32's accuracy for the group's
-   largest value. Byte products take an unsigned and a signed byte: the codes (0-15) serve as either, hi is
-   signed, mid and lo unsigned. The integer sums are exact; then sum_k w_k x_k = d s (H + ML / 65536) +
-   m sum_k x_k with H = sum q hi, ML = sum q (256 mid + lo), in float32 with one rounding for the group. Each row's
-   sums do not depend on the other rows, so a verification pass gives each row a one-row call's bits (other bits
-   than the FMA path's: the same float32 accuracy). A row with a non-finite value sends the call to the FMA path.
-   Measured on Zen 4 (BENCHMARKS.md, thirty-sixth session): whole SmolLM2 passes 1.3-1.4x faster at 1-4 rows,
-   1.1-1.2x at 6-8, 0.93-0.96x at 12-16, where the FMA path's tiles of 12 rows share each decoded weight; the byte
-   products serve up to VQ_MAX rows anyway, so every verification pass keeps each row's one-row bits. */
+/* Q4_1, Q8_0-form and K-quant codes multiplied by byte products (AVX512-VNNI; the address's tag 1, 5 or 6 with
+   bit 3 set, the same layouts): each input row is split, per group of its 32 inputs, into three bytes a value: with
+   s a power of two, max |x| <= 127 s (about), x = s (hi + mid / 256 + lo / 65536) + e, hi = floor(x / s), mid =
+   floor of the next 8 bits, lo the next 8 rounded (at most 255), so |e| <= s / 2^17 (s / 2^16 where lo's rounding
+   stops at 255): float32's accuracy for the group's largest value. Byte products take an unsigned and a signed
+   byte: hi is signed, mid and lo unsigned; Q4_1 codes (0-15) serve as either, the others are signed and go unsigned
+   as q + 128, whose extra 128 sum_k hi_k is taken off again. The integer sums are exact; then sum_k w_k x_k =
+   d s (H + ML / 65536) (+ m sum_k x_k for Q4_1) with H = sum q hi, ML = sum q (256 mid + lo), in float32 with one
+   rounding for the group (K-quants: for each half of it, with its d and m). Each row's sums do not depend on the
+   other rows, so a verification pass gives each row a one-row call's bits (other bits than the FMA path's: the
+   same float32 accuracy). A row with a non-finite value sends the call to the FMA path. Measured on Zen 4
+   (BENCHMARKS.md, thirty-sixth session): whole SmolLM2 passes 1.4x faster at 1-2 rows, 1.05-1.2x at 3-8, 1.0-1.16x
+   at 12-16 (where the FMA path's tiles of 12 rows share each decoded weight); the byte products serve up to
+   VQ_MAX rows, so every verification pass keeps each row's one-row bits. */
 #if Q4_OK && defined(__AVX512VNNI__) && defined(__AVX512VBMI__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
 #define VQ_OK 1
 #define VQ_MAX 64  /* rows up to which the byte products serve; beyond, q4_many decodes each group once for all */
 #define VQ_ROWS 3  /* rows a tile: 3 rows x 3 parts x 2 halves = 18 int32 sums in registers (4 rows spill) */
-static inline int is_vq(const float *P) { return ((uintptr_t)P & 7) == 7; }
-typedef struct { const int8_t *X; const float *S, *SX; int64_t G; } vq_rows;  /* X [M][G][3][32]; S, SX [M][G] */
+static inline int is_vq(const float *P) { return ((uintptr_t)P & 8) != 0; }
+/* X [M][G][3][32]: hi, mid, lo; S, SX [M][G]: s and the float32 sum of the group's x; HS [M][G]: sum of its hi;
+   SXh, HSh [M][G][2]: the same sums over each half of the group (K-quant codes have a d and m per 16 inputs) */
+typedef struct { const int8_t *X; const float *S, *SX, *SXh; const int32_t *HS, *HSh; int64_t G; } vq_rows;
 /* a's bytes of X [M][in_f] in this thread's buffer; 0 if a value is not finite */
 static int vq_prepare(const float *X, int64_t M, int64_t in_f, vq_rows *a) {
     static __thread void *buf;
     static __thread size_t cap;
     const int64_t G = in_f / 32;
-    const size_t n = (size_t)(M * G) * (96 + 2 * sizeof(float));
+    const size_t n = (size_t)(M * G) * (96 + 7 * sizeof(float));  /* X; S, SX, HS; HSh, SXh */
     if (n > cap) {
         free(buf);
         cap = (n + 4095) / 4096 * 4096;
@@ -501,6 +505,8 @@ static int vq_prepare(const float *X, int64_t M, int64_t in_f, vq_rows *a) {
     }
     int8_t *P = buf;
     float *S = (float *)(P + M * G * 96), *SX = S + M * G;
+    int32_t *HS = (int32_t *)(SX + M * G), *HSh = HS + M * G;
+    float *SXh = (float *)(HSh + 2 * M * G);
     for (int64_t rg = 0; rg < M * G; rg++) {
         const float *x = X + (rg / G) * in_f + (rg % G) * 32;
         const __m512 x0 = _mm512_loadu_ps(x), x1 = _mm512_loadu_ps(x + 16);
@@ -510,6 +516,7 @@ static int vq_prepare(const float *X, int64_t M, int64_t in_f, vq_rows *a) {
         const float f = mx > 1e-30f ? frexpf(mx / 127.0f, &e) : 0.0f;  /* mx / 127 = f 2^e, f in [0.5, 1) */
         const float s = f == 0.0f ? 1.0f : ldexpf(1.0f, f == 0.5f ? e - 1 : e), inv = 1.0f / s;  /* both exact */
         const __m512 zero = _mm512_setzero_ps(), top = _mm512_set1_ps(255.0f), k256 = _mm512_set1_ps(256.0f);
+        __m512i hs = _mm512_setzero_si512();
         for (int h = 0; h < 2; h++) {
             const __m512 y = f == 0.0f ? zero : _mm512_mul_ps(h ? x1 : x0, _mm512_set1_ps(inv));
             const __m512 hi = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
@@ -519,102 +526,156 @@ static int vq_prepare(const float *X, int64_t M, int64_t in_f, vq_rows *a) {
             const __m512 lo = _mm512_min_ps(_mm512_roundscale_ps(r2, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
                                             top);
             int8_t *p = P + rg * 96 + 16 * h;
-            _mm_storeu_si128((__m128i *)p, _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(hi)));
+            const __m512i hq = _mm512_cvtps_epi32(hi);
+            hs = _mm512_add_epi32(hs, hq);
+            HSh[2 * rg + h] = _mm512_reduce_add_epi32(hq);
+            SXh[2 * rg + h] = _mm512_reduce_add_ps(h ? x1 : x0);
+            _mm_storeu_si128((__m128i *)p, _mm512_cvtepi32_epi8(hq));
             _mm_storeu_si128((__m128i *)(p + 32), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(mid)));
             _mm_storeu_si128((__m128i *)(p + 64), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(lo)));
         }
         S[rg] = s;
         SX[rg] = _mm512_reduce_add_ps(_mm512_add_ps(x0, x1));
+        HS[rg] = _mm512_reduce_add_epi32(hs);
     }
-    a->X = P, a->S = S, a->SX = SX, a->G = G;
+    a->X = P, a->S = S, a->SX = SX, a->SXh = SXh, a->HS = HS, a->HSh = HSh, a->G = G;
     return 1;
 }
 /* one input quad t of group g: the sums H, MD, L [R][2] of rows r .. r + R - 1 take codes c [2] (outputs 0-15,
-   16-31; each 32-bit lane one output's four codes) */
-static inline __attribute__((always_inline)) void vq_quad(const __m512i *c, const vq_rows *a, int64_t r, int64_t g,
-                                                           int t, int R, __m512i (*H)[2], __m512i (*MD)[2],
-                                                           __m512i (*L)[2]) {
+   16-31; each 32-bit lane one output's four codes, signed) and cu [2] (the same as unsigned bytes) */
+static inline __attribute__((always_inline)) void vq_quad(const __m512i *c, const __m512i *cu, const vq_rows *a,
+                                                           int64_t r, int64_t g, int t, int R, __m512i (*H)[2],
+                                                           __m512i (*MD)[2], __m512i (*L)[2]) {
     for (int i = 0; i < R; i++) {
         const int8_t *xp = a->X + ((r + i) * a->G + g) * 96 + 4 * t;
         int32_t xh, xm, xl;
         memcpy(&xh, xp, 4), memcpy(&xm, xp + 32, 4), memcpy(&xl, xp + 64, 4);
         const __m512i bh = _mm512_set1_epi32(xh), bm = _mm512_set1_epi32(xm), bl = _mm512_set1_epi32(xl);
         for (int h = 0; h < 2; h++) {
-            H[i][h] = _mm512_dpbusd_epi32(H[i][h], c[h], bh);
+            H[i][h] = _mm512_dpbusd_epi32(H[i][h], cu[h], bh);
             MD[i][h] = _mm512_dpbusd_epi32(MD[i][h], bm, c[h]);
             L[i][h] = _mm512_dpbusd_epi32(L[i][h], bl, c[h]);
         }
     }
 }
-/* acc [R][NB] += the group's sums d s (H + ML / 65536) + m sum x for rows r .. r + R - 1 */
+/* acc [R][NB] += the sums d s (H + ML / 65536) (+ m sum x for Q4_1 and K-quants) of rows r .. r + R - 1 over
+   group g (`half` < 0) or its half `half` (K-quants) */
 static inline __attribute__((always_inline)) void vq_scale(__m512i (*H)[2], __m512i (*MD)[2], __m512i (*L)[2],
                                                             const __m512 *d, const __m512 *m, const vq_rows *a,
-                                                            int64_t r, int64_t g, int R, float *acc) {
+                                                            int64_t r, int64_t g, int R, float *acc, int form,
+                                                            int half) {
     for (int i = 0; i < R; i++) {
-        const __m512 s = _mm512_set1_ps(a->S[(r + i) * a->G + g]), sx = _mm512_set1_ps(a->SX[(r + i) * a->G + g]);
+        const int64_t rg = (r + i) * a->G + g;
+        const __m512 s = _mm512_set1_ps(a->S[rg]);
+        const __m512 sx = _mm512_set1_ps(half < 0 ? a->SX[rg] : a->SXh[2 * rg + half]);
+        const int32_t hs = half < 0 ? a->HS[rg] : a->HSh[2 * rg + half];
         for (int h = 0; h < 2; h++) {  /* 0 <= ML < 2^25: its float32 rounds at most 1 in 65536 s; the sum once */
+            const __m512i hq = form != FORM_Q4 ? _mm512_sub_epi32(H[i][h], _mm512_set1_epi32(128 * hs)) : H[i][h];
             const __m512i ml = _mm512_add_epi32(_mm512_slli_epi32(MD[i][h], 8), L[i][h]);
             const __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ml), _mm512_set1_ps(1.0f / 65536.0f),
-                                             _mm512_cvtepi32_ps(H[i][h]));
-            __m512 y = _mm512_loadu_ps(acc + i * NB + 16 * h);
-            y = _mm512_fmadd_ps(v, _mm512_mul_ps(d[h], s), y);
-            _mm512_storeu_ps(acc + i * NB + 16 * h, _mm512_fmadd_ps(m[h], sx, y));
+                                             _mm512_cvtepi32_ps(hq));
+            __m512 y = _mm512_fmadd_ps(v, _mm512_mul_ps(d[h], s), _mm512_loadu_ps(acc + i * NB + 16 * h));
+            if (form != FORM_Q8) y = _mm512_fmadd_ps(m[h], sx, y);
+            _mm512_storeu_ps(acc + i * NB + 16 * h, y);
         }
     }
 }
-/* quad t of a Q4_1 group's codes (inputs 4t .. 4t + 3, 16 bytes each) as c [2]: each 32-bit lane one output's four */
-static inline __attribute__((always_inline)) void vq_codes(const unsigned char *G, int t, __m512i perm, __m512i *c) {
-    const __m512i p = _mm512_permutexvar_epi8(perm, _mm512_loadu_si512(G + 128 + 64 * t)), low = _mm512_set1_epi8(15);
-    c[0] = _mm512_and_si512(p, low);
-    c[1] = _mm512_and_si512(_mm512_srli_epi16(p, 4), low);
+/* quad t of a group's codes (inputs 4t .. 4t + 3) as c [2] and cu [2] (vq_quad's): a Q4_1 group holds 16 bytes an
+   input (outputs j and 16 + j in byte j), a Q8_0-form group 32 (output j in byte j) after its 64 bytes of d, a
+   K-quant group 32 after its 512 bytes of d and m */
+static inline __attribute__((always_inline)) void vq_codes(const unsigned char *G, int t, const __m512i *perm,
+                                                            __m512i *c, __m512i *cu, int form) {
+    if (form != FORM_Q4) {
+        const unsigned char *C = G + (form == FORM_K ? 4 * 4 * NB : 64) + 128 * t;
+        const __m512i a = _mm512_loadu_si512(C), b = _mm512_loadu_si512(C + 64);
+        for (int h = 0; h < 2; h++) {
+            c[h] = _mm512_permutex2var_epi8(a, perm[h], b);
+            cu[h] = _mm512_xor_si512(c[h], _mm512_set1_epi8(-128));
+        }
+        return;
+    }
+    const __m512i p = _mm512_permutexvar_epi8(perm[0], _mm512_loadu_si512(G + 128 + 64 * t));
+    const __m512i low = _mm512_set1_epi8(15);
+    cu[0] = c[0] = _mm512_and_si512(p, low);
+    cu[1] = c[1] = _mm512_and_si512(_mm512_srli_epi16(p, 4), low);
 }
-/* acc [R][NB] = rows r .. r + R - 1 (R <= VQ_ROWS) of a against block Q (Q4_1 layout), each quad's codes decoded
-   into registers; the next block's groups fetched ahead */
+/* acc [R][NB] = rows r .. r + R - 1 (R <= VQ_ROWS) of a against block Q (codes of `form`), each quad's codes
+   decoded into registers; the next block's groups fetched ahead */
 static inline __attribute__((always_inline)) void vq_rows_block(const unsigned char *Q, const vq_rows *a, int64_t r,
-                                                                 int R, float *acc, const unsigned char *ahead) {
-    uint8_t index[64];  /* byte 4 j + k of a lane-ordered quad: input k's byte j */
-    for (int j = 0; j < 16; j++)
-        for (int k = 0; k < 4; k++) index[4 * j + k] = (uint8_t)(16 * k + j);
-    const __m512i perm = _mm512_loadu_si512(index);
+                                                                 int R, float *acc, const unsigned char *ahead,
+                                                                 int form) {
+    uint8_t index[2][64];  /* lane j's byte k: input k's byte of output j (Q4_1: j of the 16; Q8: 16 h + j) */
+    for (int h = 0; h < 2; h++)
+        for (int j = 0; j < 16; j++)
+            for (int k = 0; k < 4; k++)
+                index[h][4 * j + k] = (uint8_t)(form != FORM_Q4 ? 32 * k + 16 * h + j : 16 * k + j);
+    const __m512i perm[2] = {_mm512_loadu_si512(index[0]), _mm512_loadu_si512(index[1])};
+    const int size = form == FORM_Q8 ? Q8G : form == FORM_K ? KG : QG;
     memset(acc, 0, sizeof(float) * R * NB);
     for (int64_t g = 0; g < a->G; g++) {
-        const unsigned char *G = Q + g * QG;
-        prefetch_group(ahead, g, QG);
+        const unsigned char *G = Q + g * size;
+        prefetch_group(ahead, g, size);
         __m512i H[VQ_ROWS][2], MD[VQ_ROWS][2], L[VQ_ROWS][2];
+        if (form == FORM_K) {  /* each half of the group: its own d and m (float32, [2][NB] each) */
+            for (int half = 0; half < 2; half++) {
+                for (int i = 0; i < R; i++)
+                    for (int h = 0; h < 2; h++) H[i][h] = MD[i][h] = L[i][h] = _mm512_setzero_si512();
+                for (int t = 4 * half; t < 4 * half + 4; t++) {
+                    __m512i c[2], cu[2];
+                    vq_codes(G, t, perm, c, cu, form);
+                    vq_quad(c, cu, a, r, g, t, R, H, MD, L);
+                }
+                const float *dm = (const float *)G + half * NB;
+                const __m512 d[2] = {_mm512_loadu_ps(dm), _mm512_loadu_ps(dm + 16)};
+                const __m512 m[2] = {_mm512_loadu_ps(dm + 2 * NB), _mm512_loadu_ps(dm + 2 * NB + 16)};
+                vq_scale(H, MD, L, d, m, a, r, g, R, acc, form, half);
+            }
+            continue;
+        }
         for (int i = 0; i < R; i++)
             for (int h = 0; h < 2; h++) H[i][h] = MD[i][h] = L[i][h] = _mm512_setzero_si512();
         for (int t = 0; t < 8; t++) {
-            __m512i c[2];
-            vq_codes(G, t, perm, c);
-            vq_quad(c, a, r, g, t, R, H, MD, L);
+            __m512i c[2], cu[2];
+            vq_codes(G, t, perm, c, cu, form);
+            vq_quad(c, cu, a, r, g, t, R, H, MD, L);
         }
         __m512 d[2], m[2];
         for (int h = 0; h < 2; h++) {
             d[h] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(G + 32 * h)));
-            m[h] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(G + 64 + 32 * h)));
+            m[h] = form == FORM_Q8 ? d[h] : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(G + 64 + 32 * h)));
         }
-        vq_scale(H, MD, L, d, m, a, r, g, R, acc);
+        vq_scale(H, MD, L, d, m, a, r, g, R, acc, form, -1);
     }
 }
 #define VQB(R) static __attribute__((noinline)) void vq_block##R(const unsigned char *Q, const vq_rows *a, int64_t r, \
                                                                   float *acc, const unsigned char *ahead) { \
-    vq_rows_block(Q, a, r, R, acc, ahead); }
+    vq_rows_block(Q, a, r, R, acc, ahead, FORM_Q4); } \
+static __attribute__((noinline)) void vq8_block##R(const unsigned char *Q, const vq_rows *a, int64_t r, float *acc, \
+                                                   const unsigned char *ahead) { \
+    vq_rows_block(Q, a, r, R, acc, ahead, FORM_Q8); } \
+static __attribute__((noinline)) void vqk_block##R(const unsigned char *Q, const vq_rows *a, int64_t r, float *acc, \
+                                                   const unsigned char *ahead) { \
+    vq_rows_block(Q, a, r, R, acc, ahead, FORM_K); }
 VQB(1) VQB(2) VQB(3)
 #undef VQB
 typedef void (*vq_block_fn)(const unsigned char *, const vq_rows *, int64_t, float *, const unsigned char *);
-static const vq_block_fn VQBLOCKS[VQ_ROWS + 1] = {0, vq_block1, vq_block2, vq_block3};
-/* acc [R][NB] = rows r0 .. r0 + R - 1 of a against block Q, by tiles of up to VQ_ROWS rows (the first fetches the
-   next block) */
-static void vq_block(const unsigned char *Q, const vq_rows *a, int64_t r0, int64_t R, float *acc,
-                     const unsigned char *ahead) {
+static const vq_block_fn VQBLOCKS[3][VQ_ROWS + 1] = {{0, vq_block1, vq_block2, vq_block3},  /* by FORM_* */
+                                                     {0, vq8_block1, vq8_block2, vq8_block3},
+                                                     {0, vqk_block1, vqk_block2, vqk_block3}};
+/* acc [R][NB] = rows r0 .. r0 + R - 1 of a against block b of P (codes), by tiles of up to VQ_ROWS rows (the first
+   fetches the next block, if `next`) */
+static void vq_block(const float *P, int64_t b, int next, int64_t in_f, const vq_rows *a, int64_t r0, int64_t R,
+                     float *acc) {
+    const int form = code_form(P);
+    const unsigned char *Q = codes_block(P, b, in_f, form), *ahead = next ? codes_block(P, b + 1, in_f, form) : 0;
     for (int64_t i = 0; i < R; i += VQ_ROWS)
-        VQBLOCKS[R - i < VQ_ROWS ? R - i : VQ_ROWS](Q, a, r0 + i, acc + i * NB, i ? 0 : ahead);
+        VQBLOCKS[form][R - i < VQ_ROWS ? R - i : VQ_ROWS](Q, a, r0 + i, acc + i * NB, i ? 0 : ahead);
 }
 static void vq_linear(const float *P, const vq_rows *a, const float *B, float *Y, int64_t lo, int64_t hi,
                       int64_t out_f, int64_t in_f, int64_t M) {
     float acc[VQ_MAX * NB];
     for (int64_t b = lo; b < hi; b++) {
-        vq_block(q4_block(P, b, in_f), a, 0, M, acc, b + 1 < hi ? q4_block(P, b + 1, in_f) : 0);
+        vq_block(P, b, b + 1 < hi, in_f, a, 0, M, acc);
         store_block(Y, acc, B, b, out_f, 0, (int)M);
     }
 }
@@ -1191,8 +1252,8 @@ static void gated_chunk(const float *G, const float *U, const float *X, float *Y
         #pragma omp parallel for num_threads(nthreads) schedule(static)
         for (int64_t b = 0; b < nblk; b++) {
             float g[VQ_MAX * NB], u[VQ_MAX * NB];
-            vq_block(q4_block(G, b, in_f), &a, 0, M, g, b + 1 < nblk ? q4_block(G, b + 1, in_f) : 0);
-            vq_block(q4_block(U, b, in_f), &a, 0, M, u, b + 1 < nblk ? q4_block(U, b + 1, in_f) : 0);
+            vq_block(G, b, b + 1 < nblk, in_f, &a, 0, M, g);
+            vq_block(U, b, b + 1 < nblk, in_f, &a, 0, M, u);
             store_gated(Y, g, u, out_f, b * NB, out_f - b * NB < NB ? out_f - b * NB : NB, 0, M);
         }
         return;
@@ -2243,9 +2304,9 @@ AMX = not os.environ.get("EAGLE_NO_AMX")
 # multiply the weights `draft_precision` marks (an EAGLE head's, while drafting) on AMX tiles in bfloat16, or where
 # the CPU has AMX-INT8 in int8 with a scale per output (`pack_i8`: a quarter of float32's bytes; EAGLE_BF16_DRAFTS=1
 # keeps bfloat16)
-# without AMX tiles, multiply Q4_1 codes by byte products where the CPU has AVX512-VNNI and VBMI (`vq_linear`: float32
-# accuracy, other bits than the FMA path's, each row's bits the same at every row count); EAGLE_NO_VNNI=1 keeps the
-# FMA path
+# without AMX tiles, multiply Q4_1, Q8_0-form and K-quant codes by byte products where the CPU has AVX512-VNNI and
+# VBMI (`vq_linear`: float32 accuracy, other bits than the FMA path's, each row's bits the same at every row count
+# up to 64; not the weight the greedy screen reads); EAGLE_NO_VNNI=1 keeps the FMA path
 VNNI = not os.environ.get("EAGLE_NO_VNNI")
 LOW_PRECISION_DRAFTS = True
 INT8_DRAFTS = not os.environ.get("EAGLE_BF16_DRAFTS")
@@ -2540,11 +2601,12 @@ def packed(weight: torch.Tensor) -> int:
     changes in place (an optimizer step) or moves: Q4_1 codes for a weight dequantized from GGUF Q4_1 (0.625 bytes a
     weight; on the FMA path decoded to the same float32 values, so every product keeps its bits; on AMX tiles
     (`amx_on`) summed in another order with float32 accuracy, and so without them in byte products where `VNNI` and
-    the kernel allow: the same layout, the address tagged 7 instead of 1), else `pack`'s float32 copy (twice the
-    weight's memory). Each setting of `Q4_1` and `AMX` keeps its own copy, so a benchmark can switch between them.
-    A weight `draft_precision` marked is read in int8 (`pack_i8`, tag 4) or bfloat16 (`pack_bf16`, tag 3) instead
-    where `in_draft_precision` says so. The answer is kept on the weight with every setting it depends on, so a
-    decoding step's ~100 calls cost a dictionary lookup each."""
+    the kernel allow: the same layout, bit 3 of the address set, as for Q8_0-form codes, except for a weight the
+    greedy screen reads), else `pack`'s float32 copy (twice the weight's memory). Each setting of `Q4_1` and `AMX`
+    keeps its own copy, so a benchmark can switch between them. A weight `draft_precision` marked is read in int8
+    (`pack_i8`, tag 4) or bfloat16 (`pack_bf16`, tag 3) instead where `in_draft_precision` says so. The answer is
+    kept on the weight with every setting it depends on, so a decoding step's ~100 calls cost a dictionary lookup
+    each."""
     return _kept(weight, "_eagle_address", _packed_address, Q4_1, AMX, VNNI, LOW_PRECISION_DRAFTS, INT8_DRAFTS,
                  torch.is_grad_enabled())
 
@@ -2557,7 +2619,13 @@ def _packed_address(weight: torch.Tensor) -> int:
     amx = amx_on()
     name = ("_eagle_packed_amx" if amx else "_eagle_packed_q4") if Q4_1 else "_eagle_packed"
     address = _kept(weight, name, _pack_any, Q4_1, amx)[1]
-    return address | 7 if address & 7 == 1 and VNNI and (_lib or library()).vq_supported() else address
+    # bit 3: byte products; not for a weight the greedy screen reads, whose argmax is the float32 products' bit for
+    # bit (the lm_head: its logits and greedy tokens agree)
+    lib = _lib or library()
+    if address & 7 in (1, 5, 6) and VNNI and "_eagle_screened" not in weight.__dict__ and lib.vq_supported():
+        assert address & 8 == 0, "a layout's address not 16-byte aligned"
+        return address | 8
+    return address
 
 
 def unpack(weight: torch.Tensor) -> None:
@@ -2569,6 +2637,7 @@ def unpack(weight: torch.Tensor) -> None:
     weight.__dict__.pop("_eagle_packed_i8", None)
     weight.__dict__.pop("_eagle_screen", None)
     weight.__dict__.pop("_eagle_screen_few", None)
+    weight.__dict__.pop("_eagle_screened", None)
     weight.__dict__.pop("_eagle_address", None)
 
 
@@ -2645,6 +2714,9 @@ def screen_tables(weight: torch.Tensor, rows: int = 16
     integer sums, at about one row's cost for up to 16 rows; for fewer than `SCREEN_TILE_ROWS` `rows` a second copy
     in the pairs layout, kept beside it."""
     lib = _lib or library()
+    if "_eagle_screened" not in weight.__dict__:  # its products keep the float32 path's bits (`_packed_address`)
+        weight.__dict__["_eagle_screened"] = True
+        weight.__dict__.pop("_eagle_address", None)
     tiles = bool(lib.screen_tiles()) and amx_on()
     form = "tiles" if tiles and rows >= SCREEN_TILE_ROWS else "pairs" if lib.screen_pairs() else "rows"
     return _kept(weight, "_eagle_screen_few" if tiles and form != "tiles" else "_eagle_screen",

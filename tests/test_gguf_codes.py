@@ -1,12 +1,13 @@
 """K-quant codes (GGUF Q4_K, Q5_K, Q6_K) read from the file: decoded exactly as gguf-py (transformers' loader)
-dequantizes them, matched to a model's weights by their rows, and multiplied by the kernels with the float32 bits."""
+dequantizes them, matched to a model's weights by their rows, and multiplied by the kernels with the float32 bits
+(the FMA path) or by byte products."""
 
 import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
 from gguf.quants import dequantize
-from test_q4 import _codes_give_the_float32_bits
+from test_q4 import VNNI, _byte_products_keep_each_rows_bits, _codes_give_the_float32_bits
 from tiny import tiny_target
 
 from eagle import cpukernel, gguf_codes
@@ -49,6 +50,13 @@ def _kquant_weight(out_f: int, in_f: int, generator: torch.Generator, kind: str 
 @pytest.mark.parametrize("kind", KINDS)
 def test_k_quant_codes_give_the_float32_bits(monkeypatch, kind):
     _codes_give_the_float32_bits(monkeypatch, lambda o, i, g: _kquant_weight(o, i, g, kind), 7, tag=6, in_f=256)
+
+
+@VNNI
+@pytest.mark.parametrize("kind", KINDS)
+def test_k_quant_codes_on_byte_products_keep_each_rows_bits(monkeypatch, kind):
+    # a d and an m per 16 inputs: each half of a group of 32 scaled on its own
+    _byte_products_keep_each_rows_bits(monkeypatch, lambda o, i, g: _kquant_weight(o, i, g, kind), 256, 256)
 
 
 def test_codes_that_no_longer_decode_to_the_weight_are_not_used():
@@ -101,6 +109,7 @@ def test_a_target_with_k_quant_weights_decodes_the_same_with_and_without_the_cod
                 mod.weight.__dict__["_eagle_kquant"] = w.__dict__["_eagle_kquant"]
     dec = SpeculativeDecoder(target, tiny_head(target))
     prompt, runs = [5, 9, 14, 22, 7], []
+    monkeypatch.setattr(cpukernel, "VNNI", False)  # the FMA path: the float32 weights' bits
     for on in (True, False):
         monkeypatch.setattr(cpukernel, "Q4_1", on)
         runs += [dec.generate(prompt, max_new_tokens=16, speculative=False).token_ids,
@@ -108,6 +117,12 @@ def test_a_target_with_k_quant_weights_decodes_the_same_with_and_without_the_cod
         layer = target.model.model.layers[0].self_attn.q_proj.weight
         assert cpukernel.packed(layer) & 7 == (6 if on else 0)
     assert all(r == runs[0] for r in runs)
+    monkeypatch.setattr(cpukernel, "Q4_1", True)
+    monkeypatch.setattr(cpukernel, "VNNI", True)
+    if cpukernel.library().vq_supported():  # byte products: other bits, and speculation still gives greedy's tokens
+        greedy = dec.generate(prompt, max_new_tokens=16, speculative=False).token_ids
+        assert cpukernel.packed(layer) & 15 == 14
+        assert dec.generate(prompt, max_new_tokens=16, num_speculative_tokens=3).token_ids == greedy
 
 
 def test_a_gguf_target_loads_when_its_codes_cannot_be_read(monkeypatch):

@@ -30,13 +30,14 @@ def test_q4_products_give_the_float32_products_bits(monkeypatch):
     # the FMA path: the same float32 weights and the same sums in the same order, so the same bits, for every row
     # count
     monkeypatch.setattr(cpukernel, "AMX", False)
-    monkeypatch.setattr(cpukernel, "VNNI", False)
     _codes_give_the_float32_bits(monkeypatch, cpukernel.q4_1_weight, 1, tag=1)
 
 
 def _codes_give_the_float32_bits(monkeypatch, make, seed: int, tag: int, in_f: int = 64) -> None:
     """Products and gated products of weights from `make` read as codes (`packed` tagged `tag`) against their float32
-    copies, at every row count: one tile; several, each group decoded once; passes of 96."""
+    copies, at every row count: one tile; several, each group decoded once; passes of 96. (The FMA path: VNNI byte
+    products give other bits.)"""
+    monkeypatch.setattr(cpukernel, "VNNI", False)
     g = torch.Generator().manual_seed(seed)
     w, b = make(100, in_f, g), torch.randn(100, generator=g)
     gate, up = make(96, in_f, g), make(96, in_f, g)
@@ -94,10 +95,10 @@ def test_decoding_a_q4_1_target_is_the_same_with_and_without_the_codes(monkeypat
     monkeypatch.setattr(cpukernel, "Q4_1", True)
     monkeypatch.setattr(cpukernel, "AMX", True)
     monkeypatch.setattr(cpukernel, "VNNI", True)
-    tag = 2 if cpukernel.amx_on() else 7 if cpukernel.library().vq_supported() else 0
+    tag = 2 if cpukernel.amx_on() else 9 if cpukernel.library().vq_supported() else 0
     if tag:  # on AMX tiles or VNNI byte products: other bits, and speculative decoding still gives greedy's tokens
         greedy = dec.generate(prompt, max_new_tokens=24, speculative=False).token_ids
-        assert cpukernel.packed(layer) & 7 == tag
+        assert cpukernel.packed(layer) & 15 == tag
         for k in (1, 3, 6):
             assert dec.generate(prompt, max_new_tokens=24, num_speculative_tokens=k).token_ids == greedy
 
@@ -118,19 +119,27 @@ def test_q8_0_form_is_found_and_its_products_give_the_float32_bits(monkeypatch):
     _codes_give_the_float32_bits(monkeypatch, cpukernel.q8_0_weight, 4, tag=5)
 
 
-@pytest.mark.skipif(not (cpukernel.available() and cpukernel.library().vq_supported()),
-                    reason="no AVX512-VNNI and VBMI here")
-def test_vnni_byte_products_keep_each_rows_bits_with_float32_accuracy(monkeypatch):
-    # without AMX tiles, Q4_1 codes go to byte products (tag 7): other bits than the FMA path's, the error of float32
-    # sums or less, and every row the same bits whatever the row count and its place among the rows (up to 64
-    # rows, in tiles of 3)
+VNNI = pytest.mark.skipif(not (cpukernel.available() and cpukernel.library().vq_supported()),
+                          reason="no AVX512-VNNI and VBMI here")
+
+
+@VNNI
+@pytest.mark.parametrize("make", [cpukernel.q4_1_weight, cpukernel.q8_0_weight, _q5_0_weight])
+def test_vnni_byte_products_keep_each_rows_bits_with_float32_accuracy(monkeypatch, make):
+    _byte_products_keep_each_rows_bits(monkeypatch, make, 96, 64)
+
+
+def _byte_products_keep_each_rows_bits(monkeypatch, make, in_f: int, in_g: int) -> None:
+    """Without AMX tiles, codes go to byte products (bit 3 of the address set): other bits than the FMA path's, the
+    error of float32 sums or less, and every row the same bits whatever the row count and its place among the rows
+    (up to 64 rows, in tiles of 3). Weights from `make`: [100, in_f]; a gate and an up [96, in_g]."""
     monkeypatch.setattr(cpukernel, "AMX", False)
     monkeypatch.setattr(cpukernel, "VNNI", True)
     g = torch.Generator().manual_seed(7)
-    w, b = cpukernel.q4_1_weight(100, 96, g), torch.randn(100, generator=g)
-    gate, up, plain_up = cpukernel.q4_1_weight(96, 64, g), cpukernel.q4_1_weight(96, 64, g), torch.randn(96, 64)
-    assert cpukernel.packed(w) & 7 == 7 and cpukernel.packed(plain_up) & 7 == 0
-    x, xg = torch.randn(64, 96, generator=g) * 3, torch.randn(64, 64, generator=g)
+    w, b = make(100, in_f, g), torch.randn(100, generator=g)
+    gate, up, plain_up = make(96, in_g, g), make(96, in_g, g), torch.randn(96, in_g)
+    assert cpukernel.packed(w) & 15 in (9, 13, 14) and cpukernel.packed(plain_up) & 15 == 0
+    x, xg = torch.randn(64, in_f, generator=g) * 3, torch.randn(64, in_g, generator=g)
     x[5, :32] *= 1e-6  # a group of tiny values, and one of zeros: their own scales
     x[9, 32:64] = 0.0
     exact = x.double() @ w.double().T + b.double()
