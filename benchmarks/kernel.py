@@ -216,19 +216,22 @@ def time_screen(rows_list: list[int], repeats: int) -> None:
 
 def time_q4(shapes: list[str], rows_list: list[int], repeats: int, total_mb: int = 400) -> None:
     """Products of weights in GGUF Q4_1 form: their float32 copies, their codes on the FMA path (`cpukernel.Q4_1`;
-    the same bits checked) and their codes on AMX tiles where the CPU has them (`cpukernel.AMX`, the default; its
-    largest error against float64 printed beside the FMA path's), on enough distinct weights of each shape to hold
+    the same bits checked) and their codes on AMX tiles or in VNNI byte products where the CPU has them
+    (`cpukernel.AMX`, `cpukernel.VNNI`, the defaults; their largest errors against float64 printed beside the FMA
+    path's), on enough distinct weights of each shape to hold
     `total_mb` MB in float32 (more than this machine's last-level cache reaches), interleaved."""
     g = torch.Generator().manual_seed(0)
-    layouts = {"float32": (False, False), "codes, FMA": (True, False)}  # (Q4_1, AMX)
+    layouts = {"float32": (False, False, False), "codes, FMA": (True, False, False)}  # (Q4_1, AMX, VNNI)
     if cpukernel.amx_on():
-        layouts["codes, AMX"] = (True, True)
+        layouts["codes, AMX"] = (True, True, False)
+    elif cpukernel.library().vq_supported():
+        layouts["codes, VNNI"] = (True, False, True)
     print(f"threads {torch.get_num_threads()}; us per weight, median of {repeats}, {total_mb} MB of float32 weights")
     for shape in shapes:
         out_f, in_f = map(int, shape.split("x"))
         count = max(1, total_mb * 2 ** 20 // (4 * out_f * in_f))
         ws = [cpukernel.q4_1_weight(out_f, in_f, g) for _ in range(count)]
-        for cpukernel.Q4_1, cpukernel.AMX in layouts.values():  # every layout made before timing
+        for cpukernel.Q4_1, cpukernel.AMX, cpukernel.VNNI in layouts.values():  # every layout made before timing
             for w in ws:
                 cpukernel.packed(w)
         for m in rows_list:
@@ -236,7 +239,7 @@ def time_q4(shapes: list[str], rows_list: list[int], repeats: int, total_mb: int
             outs, times = {}, {name: [] for name in layouts}
             for _ in range(repeats):
                 for name in random.sample(list(layouts), len(layouts)):
-                    cpukernel.Q4_1, cpukernel.AMX = layouts[name]
+                    cpukernel.Q4_1, cpukernel.AMX, cpukernel.VNNI = layouts[name]
                     t0 = time.perf_counter()
                     for w in ws:
                         y = cpukernel.rows_linear(x, w, None)
@@ -248,7 +251,7 @@ def time_q4(shapes: list[str], rows_list: list[int], repeats: int, total_mb: int
             med = {name: statistics.median(t) for name, t in times.items()}
             cells = [f"{name} {t:7.1f} ({med['float32'] / t:.2f}x, error {err[name]:.1e})" for name, t in med.items()]
             print(f"{shape} M {m:>3}: " + "  ".join(cells), flush=True)
-    cpukernel.Q4_1, cpukernel.AMX = True, True
+    cpukernel.Q4_1, cpukernel.AMX, cpukernel.VNNI = True, True, True
 
 
 def main() -> None:

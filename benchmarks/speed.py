@@ -10,7 +10,8 @@ Parts (every timing is a median over repeats, methods interleaved so machine noi
    target wrote itself (a verification pass of a chain it agrees with): stock (linear layers and sdpa), the fast
    path (the measured layouts of eagle.fastlinear and eagle.attention's gqa_sdpa) with the whole float32 lm_head,
    the fast path with greedy tokens through the int8 screen, that with weights in GGUF Q4_1 form read as their
-   codes on the FMA path, and on AMX tiles where the CPU has them (the default; `cpukernel.Q4_1`, `cpukernel.AMX`);
+   codes on the FMA path, and on AMX tiles or in VNNI byte products where the CPU has them (the default;
+   `cpukernel.Q4_1`, `cpukernel.AMX`, `cpukernel.VNNI`);
    the ratio to M = 1 (what verifying M tokens costs);
 3. thread scaling of the same pass at M = 1 and 8;
 4. the prompts: HF generate and HF prompt lookup (stock layers, as users run them), our greedy with stock layers,
@@ -68,10 +69,10 @@ def pass_ms(dec: SpeculativeDecoder, text: list[int], context: int, rows_list: l
     """Median ms of one target pass (features and the greedy token of every row) over `rows` new tokens of `text`
     after its first `context`, with the layouts decoding uses (fast; `screen`: greedy tokens through the int8
     screen, else the whole float32 lm_head; `q4`: weights in GGUF Q4_1 form read as codes, `amx`: on AMX tiles
-    where the CPU has them) or the stock layers: a
+    or in VNNI byte products where the CPU has them, else on the FMA path) or the stock layers: a
     verification pass of a chain the target agrees with."""
     target = dec.target
-    cpukernel.Q4_1, cpukernel.AMX = q4, amx
+    cpukernel.Q4_1, cpukernel.AMX, cpukernel.VNNI = q4, amx, amx
     dec.use_fast_path(fast)
     cache = TargetCache()
     ctx = torch.tensor([text[:context]])
@@ -182,7 +183,7 @@ def main() -> None:
     warm = dec.encode(prompts[0]["prompt"])
     hf_generate(target, warm, 8)
     for q4, amx in ((False, False), (True, False), (True, True)):  # every layout made before any timing
-        cpukernel.Q4_1, cpukernel.AMX = q4, amx
+        cpukernel.Q4_1, cpukernel.AMX, cpukernel.VNNI = q4, amx, amx
         dec.generate(warm, 8, speculative=False)
     if args.draft:
         dec.generate(warm, 8, **spec_kw)
@@ -194,7 +195,7 @@ def main() -> None:
         runs["engine_greedy_stock"] = (stock.token_ids, stock.total_s)
 
         def timed(q4: bool, amx: bool, **kw):  # the layouts made again by an untimed token first
-            cpukernel.Q4_1, cpukernel.AMX = q4, amx
+            cpukernel.Q4_1, cpukernel.AMX, cpukernel.VNNI = q4, amx, amx
             dec.generate(ids, 1, **kw)
             return dec.generate(ids, n, **kw)
 
@@ -233,7 +234,7 @@ def main() -> None:
         "speedup_vs_hf_generate": {m: tps[m] / tps["hf_generate"] for m in methods},
         "verify_cost_ratio_k8": curve["fast"][8] / curve["fast"][1],
         "verify_cost_ratio_k16": curve["fast"][16] / curve["fast"][1],
-        "amx": cpukernel.amx_on(),
+        "amx": cpukernel.amx_on(), "vnni": not cpukernel.amx_on() and bool(cpukernel.library().vq_supported()),
         "verify_cost_ratio_k8_stock": curve["stock"][8] / curve["stock"][1],
         "pass_ms": curve, "threads_pass_ms": scaling,
         "spec_round_ms": {k: 1e3 * v / max(passes, 1) for k, v in round_s.items()},
