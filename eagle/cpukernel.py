@@ -1855,6 +1855,10 @@ static void screen_tile(const int8_t *Q, const int8_t *XH, const uint8_t *XL, in
             _mm512_storeu_ps(acc + r * NB + 16 * h, _mm512_cvtepi32_ps(v));
         }
 }
+#else
+#define SCREEN_TILES 0
+#endif
+#if SCREEN_PAIRS
 /* The same sums for R <= 4 rows with AVX512-VNNI on the tiles' layout (tile loads from memory read a one-row call's
    weights slower than vector loads: 1.06 against 0.85 ms for SmolLM2's lm_head). Byte products take an unsigned and
    a signed operand: lo q directly, hi q as (q + 128) hi - 128 hi, so the sums need H[r] = sum_i hi[r, i]. */
@@ -1893,12 +1897,12 @@ QUAD(1) QUAD(2) QUAD(3) QUAD(4)
 typedef void (*quad_fn)(const int8_t *, const int8_t *, const uint8_t *, const int32_t *, int64_t, float *,
                         const int8_t *);
 static const quad_fn QUADS[5] = {0, quad1, quad2, quad3, quad4};
-#define QUAD_ROWS 4  /* row counts up to which quad_tile serves */
-#else
-#define SCREEN_TILES 0
+#define QUAD_ROWS 4  /* row counts up to which quad_tile serves (and, without AMX, a tile of quad_tile rows) */
 #endif
 /* whether screen_argmax can read Q in the tiles' layout (address tagged 2) */
 int screen_tiles(void) { return SCREEN_TILES; }
+/* whether weights in int8 with a scale per output (tag 4, `i8_linear`) can be multiplied here */
+int int8_products(void) { return SCREEN_PAIRS; }
 
 /* x [in_f] rounded to int16 as the screen rounds it: xq = round(x / sx) within +-kq, sx = max |x| / kq (1 for a
    zero or non-finite row); returns sx */
@@ -1909,7 +1913,7 @@ static float round_row(const float *x, int64_t in_f, int64_t kq, int16_t *xq) {
     for (int64_t i = 0; i < in_f; i++) xq[i] = (int16_t)fminf(fmaxf(nearbyintf(x[i] / sx), (float)-kq), (float)kq);
     return sx;
 }
-#if SCREEN_TILES
+#if SCREEN_PAIRS
 /* the high (signed) and low (unsigned) bytes of xq [in_f], zeros up to in_p; returns the sum of the high bytes */
 static int32_t split_row(const int16_t *xq, int64_t in_f, int64_t in_p, int8_t *XH, uint8_t *XL) {
     int32_t h = 0;
@@ -1927,18 +1931,28 @@ static int32_t split_row(const int16_t *xq, int64_t in_f, int64_t in_p, int8_t *
    screen multiplies: each input row rounded to int16 (x = sx xq + e, |e| <= sx / 2, sx = max |x| / kq) and split into
    two bytes, the integer sums exact, then y = s[o] (sx (q . xq)) + bias. Layout of block b: the screen tiles' int8
    weights ([in_p / 64][2][16][64] bytes, in_p the inputs rounded up to 64), then the block's 32 scales (float32);
-   the address is tagged 4. A draft only has to be likely: this reads a quarter of float32's bytes. */
-#if SCREEN_TILES
+   the address is tagged 4. A draft only has to be likely: this reads a quarter of float32's bytes. With AMX-INT8
+   on tiles; with AVX512-VNNI alone by quad_tile, four rows at a time. */
+#if SCREEN_PAIRS
 typedef struct { int8_t *XH; uint8_t *XL; int32_t *HS; float *sx; int64_t in_p; } i8_rows;
 static i8_rows i8_prepare(const float *X, int64_t M, int64_t in_f) {
+    static __thread char *buf;  /* this thread's, grown, never shrunk */
+    static __thread size_t cap;
     i8_rows a;
     a.in_p = (in_f + 63) / 64 * 64;
-    char *buf = thread_buffer(1, (size_t)M * (4 * a.in_p + 8));
+    const size_t n = (size_t)M * (4 * a.in_p + 8);
+    if (n > cap) {
+        free(buf);
+        cap = (n + 4095) / 4096 * 4096;
+        buf = aligned_alloc(64, cap);
+    }
     a.XH = (int8_t *)buf, a.XL = (uint8_t *)(buf + M * a.in_p), a.HS = (int32_t *)(buf + 2 * M * a.in_p);
     a.sx = (float *)(a.HS + M);
     int16_t *xq = (int16_t *)(a.sx + M);  /* one row at a time */
     const int64_t lim = (INT32_MAX / 127) / a.in_p, kq = lim < 16383 ? lim : 16383;  /* no int32 sum overflows */
+#if SCREEN_TILES
     amx_rows_loaded = 0;  /* loaded again in each call, as amx_prepare says */
+#endif
     for (int64_t m = 0; m < M; m++) {
         a.sx[m] = round_row(X + m * in_f, in_f, kq, xq);
         a.HS[m] = split_row(xq, in_f, a.in_p, a.XH + m * a.in_p, a.XL + m * a.in_p);
@@ -1948,10 +1962,16 @@ static i8_rows i8_prepare(const float *X, int64_t M, int64_t in_f) {
 /* acc [R][NB]: rows r0 .. r0 + R - 1 (R <= 16) of a against block W (its scales after it), scaled */
 static void i8_block(const int8_t *W, const i8_rows *a, int64_t r0, int R, float *acc, const int8_t *ahead) {
     const int64_t in_p = a->in_p;
-    if (R <= QUAD_ROWS)
-        QUADS[R](W, a->XH + r0 * in_p, a->XL + r0 * in_p, a->HS + r0, in_p, acc, ahead);
-    else
+#if SCREEN_TILES
+    if (R > QUAD_ROWS)
         screen_tile(W, a->XH + r0 * in_p, a->XL + r0 * in_p, in_p, R, acc, ahead);
+    else
+#endif
+        for (int i = 0; i < R; i += QUAD_ROWS) {
+            const int n = R - i < QUAD_ROWS ? R - i : QUAD_ROWS;
+            QUADS[n](W, a->XH + (r0 + i) * in_p, a->XL + (r0 + i) * in_p, a->HS + r0 + i, in_p, acc + i * NB,
+                     i ? 0 : ahead);
+        }
     const float *scale = (const float *)(W + in_p * NB);
     for (int r = 0; r < R; r++)
         for (int o = 0; o < NB; o++) acc[r * NB + o] = scale[o] * (a->sx[r0 + r] * acc[r * NB + o]);
@@ -1992,7 +2012,7 @@ static void i8_one_block(const float *P, int64_t b, const float *X, int64_t in_f
     const i8_rows a = i8_prepare(X, R, in_f);
     i8_block(i8_at(P, b, a.in_p), &a, 0, R, acc, 0);
 }
-#else  /* never tagged 4 here (Python asks `screen_tiles` first): NaNs, not silent zeros, if it were */
+#else  /* never tagged 4 here (Python asks `int8_products` first): NaNs, not silent zeros, if it were */
 static void i8_fail(float *Y, int64_t n) { for (int64_t i = 0; i < n; i++) Y[i] = NAN; }
 static void i8_linear(const float *P, const float *X, const float *B, float *Y, int64_t lo, int64_t hi,
                       int64_t out_f, int64_t in_f, int64_t M) {
@@ -2260,6 +2280,7 @@ def load(path: Path) -> ctypes.CDLL:
     lib.screen_tiles.argtypes, lib.screen_tiles.restype = [], ctypes.c_int
     lib.q4_supported.argtypes, lib.q4_supported.restype = [], ctypes.c_int
     lib.vq_supported.argtypes, lib.vq_supported.restype = [], ctypes.c_int
+    lib.int8_products.argtypes, lib.int8_products.restype = [], ctypes.c_int
     lib.amx_enable.argtypes, lib.amx_enable.restype = [], ctypes.c_int
     for fn in (lib.rows_linear, lib.rows_gated, lib.rms_norm, lib.rope, lib.attend, lib.attention_block,
                lib.decoder_layer, lib.decoder_stack, lib.kv_compact):
@@ -2301,9 +2322,9 @@ Q4_1 = not os.environ.get("EAGLE_NO_Q4")
 # multiply those codes on AMX tiles where the CPU and the kernel have them (float32 accuracy, other bits than the
 # float32 path's); EAGLE_NO_AMX=1 keeps the FMA path, which gives the float32 weights' bits
 AMX = not os.environ.get("EAGLE_NO_AMX")
-# multiply the weights `draft_precision` marks (an EAGLE head's, while drafting) on AMX tiles in bfloat16, or where
-# the CPU has AMX-INT8 in int8 with a scale per output (`pack_i8`: a quarter of float32's bytes; EAGLE_BF16_DRAFTS=1
-# keeps bfloat16)
+# multiply the weights `draft_precision` marks (an EAGLE head's, while drafting) in int8 with a scale per output where
+# the CPU has AMX-INT8 or AVX512-VNNI (`pack_i8`: a quarter of float32's bytes), else on AMX tiles in bfloat16
+# (EAGLE_BF16_DRAFTS=1 keeps bfloat16 there)
 # without AMX tiles, multiply Q4_1, Q8_0-form and K-quant codes by byte products where the CPU has AVX512-VNNI and
 # VBMI (`vq_linear`: float32 accuracy, other bits than the FMA path's, each row's bits the same at every row count
 # up to 64; not the weight the greedy screen reads); EAGLE_NO_VNNI=1 keeps the FMA path
@@ -2512,9 +2533,9 @@ def pack_bf16(weight: torch.Tensor) -> torch.Tensor:
 
 
 def draft_precision(weights: list[torch.Tensor], on: bool = True) -> None:
-    """Mark (or unmark) `weights` to be multiplied in low precision where `packed` can (`amx_on`,
-    `LOW_PRECISION_DRAFTS`) and no gradient is being recorded: an EAGLE head's while it drafts. In int8 with a scale
-    per output where the CPU has AMX-INT8 (`INT8_DRAFTS`), else in bfloat16. A draft only has to be likely, not exact
+    """Mark (or unmark) `weights` to be multiplied in low precision where `packed` can (`LOW_PRECISION_DRAFTS`) and
+    no gradient is being recorded: an EAGLE head's while it drafts. In int8 with a scale per output where the CPU has
+    AMX-INT8 or AVX512-VNNI (`INT8_DRAFTS`), else on AMX tiles in bfloat16. A draft only has to be likely, not exact
     (the target checks every token), and this reads a quarter (a half) of float32's bytes; measured, the acceptance
     stays (BENCHMARKS.md)."""
     for w in weights:
@@ -2528,7 +2549,7 @@ def draft_precision(weights: list[torch.Tensor], on: bool = True) -> None:
 def in_draft_precision(weight: torch.Tensor) -> bool:
     """Whether `packed` gives `weight` in low precision now (`draft_precision`)."""
     return (LOW_PRECISION_DRAFTS and "_eagle_draft" in weight.__dict__ and not torch.is_grad_enabled()
-            and supports(weight) and amx_on())
+            and supports(weight) and (amx_on() or (INT8_DRAFTS and bool((_lib or library()).int8_products()))))
 
 
 def _pack_bf16(weight: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -2613,7 +2634,7 @@ def packed(weight: torch.Tensor) -> int:
 
 def _packed_address(weight: torch.Tensor) -> int:
     if in_draft_precision(weight):
-        if INT8_DRAFTS and (_lib or library()).screen_tiles():
+        if INT8_DRAFTS and (_lib or library()).int8_products():
             return _kept(weight, "_eagle_packed_i8", _pack_i8)[1]
         return _kept(weight, "_eagle_packed_bf16", _pack_bf16)[1]
     amx = amx_on()

@@ -151,7 +151,7 @@ class SpeculativeDecoder:
         if self._screen:
             for rows in (1, 16):  # made now (~1 s each for SmolLM2), not in the first timed token
                 cpukernel.screen_tables(lm.weight, rows)
-        if self.head is not None:  # the head's own products in int8 / bfloat16 where AMX tiles take them (not the
+        if self.head is not None:  # the head's own products in int8 / bfloat16 where the kernel can (not the
             shared = {id(p) for p in self.target.model.parameters()}  # target's)
             cpukernel.draft_precision([m.weight for m in self.head.modules() if isinstance(m, torch.nn.Linear)
                                        and id(m.weight) not in shared], on)

@@ -62,42 +62,6 @@ def test_bf16_products_keep_each_rows_bits_and_need_the_mark_and_no_gradients(mo
         assert cpukernel.packed(w) & 7 == 0
 
 
-@pytest.mark.skipif(not (cpukernel.available() and cpukernel.library().screen_tiles()), reason="no AMX-INT8 here")
-def test_int8_draft_products_are_the_rounded_weights_and_inputs_exactly_and_keep_each_rows_bits():
-    # marked weights (a head's while drafting) in int8 with a scale per output; each input row rounded to int16 with
-    # its own scale; integer sums exact, so the result is the float64 product of the two roundings to float32's
-    # accuracy, and a row gets the same bits at any row count
-    g = torch.Generator().manual_seed(6)
-    w, b = torch.randn(100, 96, generator=g) * 0.05, torch.randn(100, generator=g)
-    gate, up = torch.randn(96, 64, generator=g) * 0.1, torch.randn(96, 64, generator=g) * 0.1
-    x, xg = torch.randn(40, 96, generator=g), torch.randn(40, 64, generator=g)
-    x[3] = 0.0  # a zero row
-
-    def rounded(t):  # as pack_i8 rounds a weight
-        s = t.abs().amax(1) / 127
-        return (torch.round(t / s[:, None]).clamp(-127, 127) * s[:, None]).double()
-
-    def rounded_rows(t):  # as the kernel rounds input rows: int16 with the largest |x| at kq
-        kq = min(16383, (2 ** 31 - 1) // 127 // (-(-t.shape[1] // 64) * 64))
-        sx = t.abs().amax(1) / kq
-        sx = torch.where(sx > 0, sx, torch.ones_like(sx))
-        return (torch.round(t / sx[:, None]).clamp(-kq, kq) * sx[:, None]).double()
-
-    exact = rounded_rows(x) @ rounded(w).T + b.double()
-    silu = torch.nn.functional.silu
-    exact_g = silu(rounded_rows(xg) @ rounded(gate).T) * (rounded_rows(xg) @ rounded(up).T)
-    cpukernel.draft_precision([w, gate, up])
-    with torch.no_grad():
-        assert cpukernel.packed(w) & 7 == 4
-        whole = [cpukernel.rows_linear(x, w, b), cpukernel.rows_gated(xg, gate, up)]
-        for got, want in zip(whole, (exact, exact_g)):
-            assert ((got.double() - want).abs().max() / want.abs().max()).item() < 2e-6
-        for lo, hi in ((0, 1), (7, 8), (0, 3), (4, 8), (5, 21), (3, 40)):  # byte products up to 4 rows, tiles beyond
-            part = [cpukernel.rows_linear(x[lo:hi], w, b), cpukernel.rows_gated(xg[lo:hi], gate, up)]
-            assert all(torch.equal(a, c[lo:hi]) for a, c in zip(part, whole))
-    cpukernel.draft_precision([w, gate, up], on=False)
-
-
 def test_a_heads_own_weights_draft_in_bf16_and_decoding_stays_lossless():
     target = tiny_target(hidden=64, dtype=torch.float32)
     head = tiny_head(target)
