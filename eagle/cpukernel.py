@@ -209,6 +209,19 @@ static inline void store_block(float *Y, const float *acc, const float *B, int64
         for (int64_t o = 0; o < n; o++) Y[(m0 + r) * out_f + o0 + o] = acc[r * NB + o] + (B ? B[o0 + o] : 0.0f);
 }
 
+/* this thread's buffer `slot` (0: amx_prepare's and the screen's, 1: i8_prepare's, 2: vq_prepare's) of at least n
+   bytes (grown, never shrunk) */
+static void *thread_buffer(int slot, size_t n) {
+    static __thread void *buf[3];
+    static __thread size_t cap[3];
+    if (n > cap[slot]) {
+        free(buf[slot]);
+        cap[slot] = (n + 4095) / 4096 * 4096;
+        buf[slot] = aligned_alloc(64, cap[slot]);
+    }
+    return buf[slot];
+}
+
 /* Weights that are GGUF Q4_1 blocks dequantized to float32 (w = fl(fl(d q) + m) for one fp16 d and m per 32
    consecutive inputs of an output, q in 0..15), read in that form: 0.625 bytes a weight instead of 4, decoded to the
    same float32 values, so every product keeps its bits. Layout of block b (outputs 32 b .. 32 b + 31), for each
@@ -494,16 +507,8 @@ static inline int is_vq(const float *P) { return ((uintptr_t)P & 8) != 0; }
 typedef struct { const int8_t *X; const float *S, *SX, *SXh; const int32_t *HS, *HSh; int64_t G; } vq_rows;
 /* a's bytes of X [M][in_f] in this thread's buffer; 0 if a value is not finite */
 static int vq_prepare(const float *X, int64_t M, int64_t in_f, vq_rows *a) {
-    static __thread void *buf;
-    static __thread size_t cap;
     const int64_t G = in_f / 32;
-    const size_t n = (size_t)(M * G) * (96 + 7 * sizeof(float));  /* X; S, SX, HS; HSh, SXh */
-    if (n > cap) {
-        free(buf);
-        cap = (n + 4095) / 4096 * 4096;
-        buf = aligned_alloc(64, cap);
-    }
-    int8_t *P = buf;
+    int8_t *P = thread_buffer(2, (size_t)(M * G) * (96 + 7 * sizeof(float)));  /* X; S, SX, HS; HSh, SXh */
     float *S = (float *)(P + M * G * 96), *SX = S + M * G;
     int32_t *HS = (int32_t *)(SX + M * G), *HSh = HS + M * G;
     float *SXh = (float *)(HSh + 2 * M * G);
@@ -569,7 +574,7 @@ static inline __attribute__((always_inline)) void vq_scale(__m512i (*H)[2], __m5
         const __m512 s = _mm512_set1_ps(a->S[rg]);
         const __m512 sx = _mm512_set1_ps(half < 0 ? a->SX[rg] : a->SXh[2 * rg + half]);
         const int32_t hs = half < 0 ? a->HS[rg] : a->HSh[2 * rg + half];
-        for (int h = 0; h < 2; h++) {  /* 0 <= ML < 2^25: its float32 rounds at most 1 in 65536 s; the sum once */
+        for (int h = 0; h < 2; h++) {  /* |ML| < 2^29: its float32 rounds at 2^-24 of it; the sum once */
             const __m512i hq = form != FORM_Q4 ? _mm512_sub_epi32(H[i][h], _mm512_set1_epi32(128 * hs)) : H[i][h];
             const __m512i ml = _mm512_add_epi32(_mm512_slli_epi32(MD[i][h], 8), L[i][h]);
             const __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ml), _mm512_set1_ps(1.0f / 65536.0f),
@@ -883,18 +888,6 @@ static inline void amx_decode(const unsigned char *C, uint16_t *T) {
     }
 }
 
-/* this thread's buffer `slot` (0: amx_prepare's and the screen's, 1: i8_prepare's) of at least n bytes (grown,
-   never shrunk) */
-static void *thread_buffer(int slot, size_t n) {
-    static __thread void *buf[2];
-    static __thread size_t cap[2];
-    if (n > cap[slot]) {
-        free(buf[slot]);
-        cap[slot] = (n + 4095) / 4096 * 4096;
-        buf[slot] = aligned_alloc(64, cap[slot]);
-    }
-    return buf[slot];
-}
 static void *amx_buffer(size_t n) { return thread_buffer(0, n); }
 
 #define AMX_RUN 4  /* blocks whose products share their input rows' tiles (amx_run), from RUN_ROWS rows */
@@ -1936,16 +1929,9 @@ static int32_t split_row(const int16_t *xq, int64_t in_f, int64_t in_p, int8_t *
 #if SCREEN_PAIRS
 typedef struct { int8_t *XH; uint8_t *XL; int32_t *HS; float *sx; int64_t in_p; } i8_rows;
 static i8_rows i8_prepare(const float *X, int64_t M, int64_t in_f) {
-    static __thread char *buf;  /* this thread's, grown, never shrunk */
-    static __thread size_t cap;
     i8_rows a;
     a.in_p = (in_f + 63) / 64 * 64;
-    const size_t n = (size_t)M * (4 * a.in_p + 8);
-    if (n > cap) {
-        free(buf);
-        cap = (n + 4095) / 4096 * 4096;
-        buf = aligned_alloc(64, cap);
-    }
+    char *buf = thread_buffer(1, (size_t)M * (4 * a.in_p + 8));
     a.XH = (int8_t *)buf, a.XL = (uint8_t *)(buf + M * a.in_p), a.HS = (int32_t *)(buf + 2 * M * a.in_p);
     a.sx = (float *)(a.HS + M);
     int16_t *xq = (int16_t *)(a.sx + M);  /* one row at a time */
@@ -2643,7 +2629,8 @@ def _packed_address(weight: torch.Tensor) -> int:
     # bit 3: byte products; not for a weight the greedy screen reads, whose argmax is the float32 products' bit for
     # bit (the lm_head: its logits and greedy tokens agree)
     lib = _lib or library()
-    if address & 7 in (1, 5, 6) and VNNI and "_eagle_screened" not in weight.__dict__ and lib.vq_supported():
+    if (address & 7 in (1, 5, 6) and VNNI and not amx and "_eagle_screened" not in weight.__dict__
+            and lib.vq_supported()):
         assert address & 8 == 0, "a layout's address not 16-byte aligned"
         return address | 8
     return address
