@@ -64,6 +64,12 @@ def real_text(dec: SpeculativeDecoder, data: str, length: int) -> list[int]:
 
 
 @torch.inference_mode()
+def use_codes(q4: bool, fast: bool) -> None:
+    """GGUF weights read as their codes (`q4`), multiplied on AMX tiles or in VNNI byte products where the CPU has
+    them (`fast`), else on the FMA path."""
+    cpukernel.Q4_1, cpukernel.AMX, cpukernel.VNNI = q4, fast, fast
+
+
 def pass_ms(dec: SpeculativeDecoder, text: list[int], context: int, rows_list: list[int], repeats: int,
             fast: bool, screen: bool = True, q4: bool = True, amx: bool = True) -> dict[int, float]:
     """Median ms of one target pass (features and the greedy token of every row) over `rows` new tokens of `text`
@@ -72,7 +78,7 @@ def pass_ms(dec: SpeculativeDecoder, text: list[int], context: int, rows_list: l
     or in VNNI byte products where the CPU has them, else on the FMA path) or the stock layers: a
     verification pass of a chain the target agrees with."""
     target = dec.target
-    cpukernel.Q4_1, cpukernel.AMX, cpukernel.VNNI = q4, amx, amx
+    use_codes(q4, amx)
     dec.use_fast_path(fast)
     cache = TargetCache()
     ctx = torch.tensor([text[:context]])
@@ -183,7 +189,7 @@ def main() -> None:
     warm = dec.encode(prompts[0]["prompt"])
     hf_generate(target, warm, 8)
     for q4, amx in ((False, False), (True, False), (True, True)):  # every layout made before any timing
-        cpukernel.Q4_1, cpukernel.AMX, cpukernel.VNNI = q4, amx, amx
+        use_codes(q4, amx)
         dec.generate(warm, 8, speculative=False)
     if args.draft:
         dec.generate(warm, 8, **spec_kw)
@@ -195,7 +201,7 @@ def main() -> None:
         runs["engine_greedy_stock"] = (stock.token_ids, stock.total_s)
 
         def timed(q4: bool, amx: bool, **kw):  # the layouts made again by an untimed token first
-            cpukernel.Q4_1, cpukernel.AMX, cpukernel.VNNI = q4, amx, amx
+            use_codes(q4, amx)
             dec.generate(ids, 1, **kw)
             return dec.generate(ids, n, **kw)
 

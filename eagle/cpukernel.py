@@ -604,6 +604,19 @@ static inline __attribute__((always_inline)) void vq_codes(const unsigned char *
     cu[0] = c[0] = _mm512_and_si512(p, low);
     cu[1] = c[1] = _mm512_and_si512(_mm512_srli_epi16(p, 4), low);
 }
+/* d and m [2] (outputs 0-15, 16-31) of a group G of `form` (Q8_0: m unused), for K-quants of its half `part` */
+static inline __attribute__((always_inline)) void vq_scales(const unsigned char *G, int part, int form, __m512 *d,
+                                                             __m512 *m) {
+    for (int h = 0; h < 2; h++) {
+        if (form == FORM_K) {  /* float32 d [2][NB], then m [2][NB] */
+            d[h] = _mm512_loadu_ps((const float *)G + part * NB + 16 * h);
+            m[h] = _mm512_loadu_ps((const float *)G + (2 + part) * NB + 16 * h);
+        } else {  /* float16 d [NB], then (Q4_1) m [NB] */
+            d[h] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(G + 32 * h)));
+            m[h] = form == FORM_Q8 ? d[h] : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(G + 64 + 32 * h)));
+        }
+    }
+}
 /* acc [R][NB] = rows r .. r + R - 1 (R <= VQ_ROWS) of a against block Q (codes of `form`), each quad's codes
    decoded into registers; the next block's groups fetched ahead */
 static inline __attribute__((always_inline)) void vq_rows_block(const unsigned char *Q, const vq_rows *a, int64_t r,
@@ -620,36 +633,20 @@ static inline __attribute__((always_inline)) void vq_rows_block(const unsigned c
     for (int64_t g = 0; g < a->G; g++) {
         const unsigned char *G = Q + g * size;
         prefetch_group(ahead, g, size);
-        __m512i H[VQ_ROWS][2], MD[VQ_ROWS][2], L[VQ_ROWS][2];
-        if (form == FORM_K) {  /* each half of the group: its own d and m (float32, [2][NB] each) */
-            for (int half = 0; half < 2; half++) {
-                for (int i = 0; i < R; i++)
-                    for (int h = 0; h < 2; h++) H[i][h] = MD[i][h] = L[i][h] = _mm512_setzero_si512();
-                for (int t = 4 * half; t < 4 * half + 4; t++) {
-                    __m512i c[2], cu[2];
-                    vq_codes(G, t, perm, c, cu, form);
-                    vq_quad(c, cu, a, r, g, t, R, H, MD, L);
-                }
-                const float *dm = (const float *)G + half * NB;
-                const __m512 d[2] = {_mm512_loadu_ps(dm), _mm512_loadu_ps(dm + 16)};
-                const __m512 m[2] = {_mm512_loadu_ps(dm + 2 * NB), _mm512_loadu_ps(dm + 2 * NB + 16)};
-                vq_scale(H, MD, L, d, m, a, r, g, R, acc, form, half);
+        const int halves = form == FORM_K;  /* K-quants: each half of the group with its own d and m */
+        for (int part = 0; part <= halves; part++) {
+            __m512i H[VQ_ROWS][2], MD[VQ_ROWS][2], L[VQ_ROWS][2];
+            for (int i = 0; i < R; i++)
+                for (int h = 0; h < 2; h++) H[i][h] = MD[i][h] = L[i][h] = _mm512_setzero_si512();
+            for (int t = halves ? 4 * part : 0; t < (halves ? 4 * part + 4 : 8); t++) {
+                __m512i c[2], cu[2];
+                vq_codes(G, t, perm, c, cu, form);
+                vq_quad(c, cu, a, r, g, t, R, H, MD, L);
             }
-            continue;
+            __m512 d[2], m[2];
+            vq_scales(G, part, form, d, m);
+            vq_scale(H, MD, L, d, m, a, r, g, R, acc, form, halves ? part : -1);
         }
-        for (int i = 0; i < R; i++)
-            for (int h = 0; h < 2; h++) H[i][h] = MD[i][h] = L[i][h] = _mm512_setzero_si512();
-        for (int t = 0; t < 8; t++) {
-            __m512i c[2], cu[2];
-            vq_codes(G, t, perm, c, cu, form);
-            vq_quad(c, cu, a, r, g, t, R, H, MD, L);
-        }
-        __m512 d[2], m[2];
-        for (int h = 0; h < 2; h++) {
-            d[h] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(G + 32 * h)));
-            m[h] = form == FORM_Q8 ? d[h] : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(G + 64 + 32 * h)));
-        }
-        vq_scale(H, MD, L, d, m, a, r, g, R, acc, form, -1);
     }
 }
 #define VQB(R) static __attribute__((noinline)) void vq_block##R(const unsigned char *Q, const vq_rows *a, int64_t r, \
@@ -2722,13 +2719,19 @@ def screen_tables(weight: torch.Tensor, rows: int = 16
     integer sums, at about one row's cost for up to 16 rows; for fewer than `SCREEN_TILE_ROWS` `rows` a second copy
     in the pairs layout, kept beside it."""
     lib = _lib or library()
-    if "_eagle_screened" not in weight.__dict__:  # its products keep the float32 path's bits (`_packed_address`)
-        weight.__dict__["_eagle_screened"] = True
-        weight.__dict__.pop("_eagle_address", None)
     tiles = bool(lib.screen_tiles()) and amx_on()
     form = "tiles" if tiles and rows >= SCREEN_TILE_ROWS else "pairs" if lib.screen_pairs() else "rows"
     return _kept(weight, "_eagle_screen_few" if tiles and form != "tiles" else "_eagle_screen",
-                 lambda w: _screen_tables(w.detach(), form) if bool(torch.isfinite(w).all()) else None, form)
+                 lambda w: _screened(w, form), form)
+
+
+def _screened(weight: torch.Tensor, form: str) -> tuple | None:
+    """`screen_tables`' tables, made once; the weight marked so that its products keep the float32 path's bits
+    (`_packed_address`: the screen's argmax is theirs)."""
+    if "_eagle_screened" not in weight.__dict__:
+        weight.__dict__["_eagle_screened"] = True
+        weight.__dict__.pop("_eagle_address", None)
+    return _screen_tables(weight.detach(), form) if bool(torch.isfinite(weight).all()) else None
 
 
 def pack_screen_tiles(q8: torch.Tensor) -> torch.Tensor:
