@@ -7,6 +7,7 @@ another git revision, on SmolLM2-135M's weight shapes at the row counts a decodi
     .venv/bin/python benchmarks/kernel.py --attention 256 --rows 8 16 --against 817d914   # and another revision's
     .venv/bin/python benchmarks/kernel.py --screen --rows 1 4 8 16 32 64   # greedy tokens: int8 screen vs lm_head
     .venv/bin/python benchmarks/kernel.py --q4 --shapes 1536x576 576x1536 --rows 1 2 4 8 16 64   # Q4_1 codes
+    .venv/bin/python benchmarks/kernel.py --q4 --rows 1 3 4 16 --against HEAD   # and HEAD's codes (AMX / VNNI)
 
 Each shape gets enough distinct random weights to fill 64 MB (more than the last-level cache), so every sweep
 reads them from memory as a decoding pass does. The layouts are interleaved within each repeat in a new random order
@@ -214,18 +215,24 @@ def time_screen(rows_list: list[int], repeats: int) -> None:
         print(f"M {m:>3}: whole lm_head {whole:6.2f}  screen {screen:6.2f}  ratio {screen / whole:.2f}", flush=True)
 
 
-def time_q4(shapes: list[str], rows_list: list[int], repeats: int, total_mb: int = 400) -> None:
+def time_q4(shapes: list[str], rows_list: list[int], repeats: int, against: list[str], total_mb: int = 400) -> None:
     """Products of weights in GGUF Q4_1 form: their float32 copies, their codes on the FMA path (`cpukernel.Q4_1`;
     the same bits checked) and their codes on AMX tiles or in VNNI byte products where the CPU has them
     (`cpukernel.AMX`, `cpukernel.VNNI`, the defaults; their largest errors against float64 printed beside the FMA
     path's), on enough distinct weights of each shape to hold
-    `total_mb` MB in float32 (more than this machine's last-level cache reaches), interleaved."""
+    `total_mb` MB in float32 (more than this machine's last-level cache reaches), interleaved; with `against`, the
+    codes on AMX tiles or VNNI through those revisions' kernels too."""
     g = torch.Generator().manual_seed(0)
     layouts = {"float32": (False, False, False), "codes, FMA": (True, False, False)}  # (Q4_1, AMX, VNNI)
     if cpukernel.amx_on():
         layouts["codes, AMX"] = (True, True, False)
     elif cpukernel.library().vq_supported():
         layouts["codes, VNNI"] = (True, False, True)
+    fast = list(layouts.values())[-1]
+    libs = {name: None for name in layouts}
+    for rev in against:
+        name = f"{list(layouts)[-1]} at {Path(rev).stem[-12:]}"
+        layouts[name], libs[name] = fast, kernel_at(rev)
     print(f"threads {torch.get_num_threads()}; us per weight, median of {repeats}, {total_mb} MB of float32 weights")
     for shape in shapes:
         out_f, in_f = map(int, shape.split("x"))
@@ -240,9 +247,10 @@ def time_q4(shapes: list[str], rows_list: list[int], repeats: int, total_mb: int
             for _ in range(repeats):
                 for name in random.sample(list(layouts), len(layouts)):
                     cpukernel.Q4_1, cpukernel.AMX, cpukernel.VNNI = layouts[name]
+                    lib = libs[name]
                     t0 = time.perf_counter()
                     for w in ws:
-                        y = cpukernel.rows_linear(x, w, None)
+                        y = cpukernel.rows_linear(x, w, None) if lib is None else call(lib, x, w)
                     times[name].append((time.perf_counter() - t0) / len(ws) * 1e6)
                     outs[name] = y
             assert torch.equal(outs["float32"], outs["codes, FMA"]), (shape, m)
@@ -272,7 +280,7 @@ def main() -> None:
                          "float32 copies")
     args = ap.parse_args()
     if args.q4:
-        time_q4(args.shapes, args.rows, args.repeats)
+        time_q4(args.shapes, args.rows, args.repeats, args.against)
         return
     if args.screen:
         time_screen(args.rows, args.repeats)

@@ -17,7 +17,7 @@
   of up to 64 rows multiply the codes (Q4_1, the Q8_0 form's, K-quants') by byte products instead (`vq_linear`;
   `VNNI`, `EAGLE_NO_VNNI=1` keeps the FMA path): each input split exactly enough into three bytes a value for float32
   accuracy, the integer sums exact. Decoding the codes to float32 had bound the FMA path by arithmetic on Zen 4: a
-  SmolLM2 pass of 1-2 tokens 1.4x faster, 3-8 tokens 1.05-1.2x (BENCHMARKS.md, thirty-sixth session).
+  SmolLM2 pass of 1-16 tokens 1.2-1.35x faster (BENCHMARKS.md, thirty-seventh session).
 - `rows_gated`: a gated MLP's `silu(x @ G.T) * (x @ U.T)` in one pass over both weights.
 - `rms_norm`: an RMS norm of each row in one call (the stock module is eight small torch ops).
 - `attend`: attention of a few query rows over the KV cache, grouped-query heads read in place.
@@ -494,13 +494,12 @@ static void q4_many(const unsigned char *Q, const float *X, int64_t in_f, int64_
    rounding for the group (K-quants: for each half of it, with its d and m). Each row's sums do not depend on the
    other rows, so a verification pass gives each row a one-row call's bits (other bits than the FMA path's: the
    same float32 accuracy). A row with a non-finite value sends the call to the FMA path. Measured on Zen 4
-   (BENCHMARKS.md, thirty-sixth session): whole SmolLM2 passes 1.4x faster at 1-2 rows, 1.05-1.2x at 3-8, 1.0-1.16x
-   at 12-16 (where the FMA path's tiles of 12 rows share each decoded weight); the byte products serve up to
-   VQ_MAX rows, so every verification pass keeps each row's one-row bits. */
+   (BENCHMARKS.md, thirty-seventh session): whole SmolLM2 passes 1.2-1.35x faster than on the FMA path at 1-16 rows;
+   the byte products serve up to VQ_MAX rows, so every verification pass keeps each row's one-row bits. */
 #if Q4_OK && defined(__AVX512VNNI__) && defined(__AVX512VBMI__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
 #define VQ_OK 1
 #define VQ_MAX 64  /* rows up to which the byte products serve; beyond, q4_many decodes each group once for all */
-#define VQ_ROWS 3  /* rows a tile: 3 rows x 3 parts x 2 halves = 18 int32 sums in registers (4 rows spill) */
+#define VQ_ROWS 3  /* rows a tile: 3 rows x 3 parts x 2 halves = 18 int32 sums in registers (4 rows: no faster) */
 static inline int is_vq(const float *P) { return ((uintptr_t)P & 8) != 0; }
 /* X [M][G][3][32]: hi, mid, lo; S, SX [M][G]: s and the float32 sum of the group's x; HS [M][G]: sum of its hi;
    SXh, HSh [M][G][2]: the same sums over each half of the group (K-quant codes have a d and m per 16 inputs) */
@@ -638,11 +637,14 @@ static inline __attribute__((always_inline)) void vq_rows_block(const unsigned c
             __m512i H[VQ_ROWS][2], MD[VQ_ROWS][2], L[VQ_ROWS][2];
             for (int i = 0; i < R; i++)
                 for (int h = 0; h < 2; h++) H[i][h] = MD[i][h] = L[i][h] = _mm512_setzero_si512();
-            for (int t = halves ? 4 * part : 0; t < (halves ? 4 * part + 4 : 8); t++) {
-                __m512i c[2], cu[2];
-                vq_codes(G, t, perm, c, cu, form);
-                vq_quad(c, cu, a, r, g, t, R, H, MD, L);
-            }
+            /* the quads unrolled by hand: as a loop (GCC 12 unrolls it only up to 2 rows), some of the 18 sums of
+               3 rows live on the stack, and 3-16 rows cost 1.2-1.4x what they cost unrolled */
+#define VQ_QUAD(t) do { __m512i c[2], cu[2]; vq_codes(G, t, perm, c, cu, form); \
+                        vq_quad(c, cu, a, r, g, t, R, H, MD, L); } while (0)
+            const int t0 = halves ? 4 * part : 0;
+            VQ_QUAD(t0); VQ_QUAD(t0 + 1); VQ_QUAD(t0 + 2); VQ_QUAD(t0 + 3);
+            if (!halves) { VQ_QUAD(4); VQ_QUAD(5); VQ_QUAD(6); VQ_QUAD(7); }
+#undef VQ_QUAD
             __m512 d[2], m[2];
             vq_scales(G, part, form, d, m);
             vq_scale(H, MD, L, d, m, a, r, g, R, acc, form, halves ? part : -1);
