@@ -194,7 +194,10 @@ class TargetModel:
         self.base = self.model.get_decoder()  # the stack of decoder layers + final norm
         self.lm_head = self.model.get_output_embeddings()
         self.embed = self.model.get_input_embeddings()
-        self.config = self.model.config
+        # the decoder's own config: a multimodal model's (Gemma-3 4B and up, which AutoModelForCausalLM loads as
+        # Gemma3ForConditionalGeneration) keeps its text decoder's sizes in a nested text config
+        top = self.model.config
+        self.config = top.get_text_config() if hasattr(top, "get_text_config") else top
         params = inspect.signature(self.base.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
         self.softcap = getattr(self.config, "final_logit_softcapping", None)
@@ -226,7 +229,8 @@ class TargetModel:
 
     @property
     def eos_ids(self) -> list[int]:
-        ids = self.config.eos_token_id if self.config.eos_token_id is not None else self.tokenizer.eos_token_id
+        ids = next((c.eos_token_id for c in (self.model.config, self.config) if getattr(c, "eos_token_id", None)
+                    is not None), self.tokenizer.eos_token_id)
         ids = ids if isinstance(ids, list) else [ids]
         if self.tokenizer.eos_token_id is not None and self.tokenizer.eos_token_id not in ids:
             ids.append(self.tokenizer.eos_token_id)

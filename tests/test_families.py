@@ -5,7 +5,8 @@ against the stock layers run, decoding exactly as transformers' own greedy `gene
 import pytest
 import torch
 from tiny import tiny_head, tiny_tokenizer
-from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+from transformers import (Gemma3Config, Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config,
+                          SiglipVisionConfig)
 from transformers import AutoModelForCausalLM
 
 from eagle import TargetModel
@@ -22,6 +23,9 @@ FAMILIES = {
     "mistral-typed": (MistralConfig, {"sliding_window": 5, "layer_types": ["full_attention"] * 2}),
     # norms of 1 + weight (four a layer, and q / k norms), GELU, sliding-window layers, scaled embeddings
     "gemma3": (Gemma3TextConfig, {"head_dim": 32, "sliding_window": 4, "query_pre_attn_scalar": 32}),
+    # what AutoModelForCausalLM makes of Gemma-3 4B and up: Gemma3ForConditionalGeneration, a vision tower beside the
+    # text decoder, whose sizes, window and layer types sit in a nested text config
+    "gemma3-multimodal": (Gemma3Config, {"head_dim": 32, "sliding_window": 4, "query_pre_attn_scalar": 32}),
 }
 
 
@@ -29,9 +33,16 @@ def tiny_family(family: str, seed: int = 0) -> TargetModel:
     torch.manual_seed(seed)
     tok = tiny_tokenizer(96)
     cls, extra = FAMILIES[family]
-    cfg = cls(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=512, eos_token_id=tok.eos_token_id,
-              pad_token_id=tok.pad_token_id, tie_word_embeddings=False, **extra)
+    common = dict(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, tie_word_embeddings=False)
+    text_cls = Gemma3TextConfig if cls is Gemma3Config else cls
+    cfg = text_cls(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, max_position_embeddings=512, **common, **extra)
+    if cls is Gemma3Config:
+        torch.manual_seed(seed + 1)  # seed 0's model ends its greedy text at the third token
+        vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                    image_size=28, patch_size=14)
+        cfg = cls(text_config=cfg.to_dict(), vision_config=vision.to_dict(), mm_tokens_per_image=4,
+                  image_token_index=95, boi_token_index=93, eoi_token_index=94, **common)
     model = AutoModelForCausalLM.from_config(cfg).float().eval().requires_grad_(False)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -54,6 +65,6 @@ def test_every_family_decodes_as_transformers_greedy(family):
                 dict(num_speculative_tokens=2, prompt_lookup_num_tokens=4)):
         assert dec.generate(PROMPT, 32, **cfg).token_ids == plain.token_ids, cfg
     # attention modules with q / k norms (Qwen3, Gemma-3) run the kernel attention too, norms included
-    assert target.model.model.layers[0].self_attn.__dict__.get("_fast_module")
+    assert target.base.layers[0].self_attn.__dict__.get("_fast_module")
     stock = dec.generate(PROMPT, 32, num_speculative_tokens=3, fast_linear=False)
     assert stock.token_ids == plain.token_ids
