@@ -59,7 +59,9 @@ class HeadConfig:
             num_attention_heads=c.num_attention_heads,
             num_key_value_heads=kv_heads,
             head_dim=head_dim,
-            intermediate_size=c.intermediate_size,
+            # GPT-2 names it n_inner, Falcon ffn_hidden_size; both default to 4 x hidden
+            intermediate_size=next((v for v in (getattr(c, k, None) for k in ("intermediate_size", "ffn_hidden_size",
+                                                                               "n_inner")) if v), 4 * c.hidden_size),
             rms_norm_eps=float(getattr(c, "rms_norm_eps", 1e-6)),
             rope_theta=float(theta),
             logit_softcap=target.softcap,

@@ -5,8 +5,8 @@ against the stock layers run, decoding exactly as transformers' own greedy `gene
 import pytest
 import torch
 from tiny import tiny_head, tiny_tokenizer
-from transformers import (Gemma3Config, Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config,
-                          SiglipVisionConfig)
+from transformers import (FalconConfig, Gemma3Config, Gemma3TextConfig, GPT2Config, LlamaConfig, MistralConfig,
+                          Phi3Config, Qwen2Config, Qwen3Config, SiglipVisionConfig)
 from transformers import AutoModelForCausalLM
 
 from eagle import TargetModel
@@ -26,7 +26,13 @@ FAMILIES = {
     # what AutoModelForCausalLM makes of Gemma-3 4B and up: Gemma3ForConditionalGeneration, a vision tower beside the
     # text decoder, whose sizes, window and layer types sit in a nested text config
     "gemma3-multimodal": (Gemma3Config, {"head_dim": 32, "sliding_window": 4, "query_pre_attn_scalar": 32}),
+    "phi3": (Phi3Config, {}),  # q / k / v in one qkv_proj, gate and up in one gate_up_proj
+    # no Llama-style decoder layers: the stock forward runs; no intermediate_size in the config for the head to copy
+    "gpt2": (GPT2Config, {"n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 512}),
+    "falcon": (FalconConfig, {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4}),
 }
+SIZES = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=512)
 
 
 def tiny_family(family: str, seed: int = 0) -> TargetModel:
@@ -35,8 +41,8 @@ def tiny_family(family: str, seed: int = 0) -> TargetModel:
     cls, extra = FAMILIES[family]
     common = dict(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, tie_word_embeddings=False)
     text_cls = Gemma3TextConfig if cls is Gemma3Config else cls
-    cfg = text_cls(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                   num_key_value_heads=2, max_position_embeddings=512, **common, **extra)
+    sizes = {"vocab_size": 96} if cls in (GPT2Config, FalconConfig) else SIZES  # their own names, in `extra`
+    cfg = text_cls(**sizes, **common, **extra)
     if cls is Gemma3Config:
         torch.manual_seed(seed + 1)  # seed 0's model ends its greedy text at the third token
         vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
@@ -65,6 +71,7 @@ def test_every_family_decodes_as_transformers_greedy(family):
                 dict(num_speculative_tokens=2, prompt_lookup_num_tokens=4)):
         assert dec.generate(PROMPT, 32, **cfg).token_ids == plain.token_ids, cfg
     # attention modules with q / k norms (Qwen3, Gemma-3) run the kernel attention too, norms included
-    assert target.base.layers[0].self_attn.__dict__.get("_fast_module")
+    if family not in ("phi3", "gpt2", "falcon"):
+        assert target.base.layers[0].self_attn.__dict__.get("_fast_module")
     stock = dec.generate(PROMPT, 32, num_speculative_tokens=3, fast_linear=False)
     assert stock.token_ids == plain.token_ids
