@@ -50,6 +50,10 @@ class DecodeConfig:
     prompt_lookup_max: int = 4
     # greedy: also continue each leaf of the head's tree with a lookup of the text followed by the leaf's drafted path
     prompt_lookup_after_drafts: bool = False
+    # the lookup's length follows its acceptance, as transformers' "heuristic" schedule of assistant tokens: from
+    # prompt_lookup_num_tokens, 2 more after a round that accepted the whole lookup, 1 fewer after one that did not,
+    # within 1 .. prompt_lookup_num_tokens (where each verified token costs time, unaccepted lookups are not free)
+    prompt_lookup_adaptive: bool = False
     max_new_tokens: int = 128
     temperature: float = 0.0  # 0: greedy; > 0: lossless sampling from the target's distribution
     top_p: float = 1.0

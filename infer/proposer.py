@@ -439,12 +439,15 @@ class LookupProposer:
     """Prompt lookup drafts, alone (`inner=None`: a chain, empty when the text's suffix occurred nowhere before) or
     merged into the tree of an inner proposer (with sampling, each lookup node is tried as a point mass before its
     parent's drafted children: `sampling.accept_sampled`). Settings come from the decoding config:
-    `prompt_lookup_num_tokens` drafted tokens, suffixes of `prompt_lookup_max` down to `prompt_lookup_min` tokens."""
+    `prompt_lookup_num_tokens` drafted tokens (with `prompt_lookup_adaptive`, a length that follows the lookups'
+    acceptance), suffixes of `prompt_lookup_max` down to `prompt_lookup_min` tokens."""
 
     def __init__(self, inner=None):
         self.inner = inner
         self.index: NgramIndex | None = None
         self._shapes: dict = {}  # merge_chain's tensors of each tree shape seen
+        self.length: int | None = None  # the adaptive lookup length (None: prompt_lookup_num_tokens)
+        self._last: list[int] = []  # the lookup drafted in the last round
 
     def __copy__(self) -> "LookupProposer":
         """A copy that drafts on its own (one per generation): its inner proposer copied too."""
@@ -453,7 +456,7 @@ class LookupProposer:
         return new
 
     def reset(self, prompt_ids: list[int] | None = None) -> None:
-        self.index = None
+        self.index, self.length, self._last = None, None, []
         if self.inner is not None:
             self.inner.reset(prompt_ids)
 
@@ -464,9 +467,16 @@ class LookupProposer:
     def propose(self, feats: torch.Tensor, tokens: torch.Tensor, cfg, generator=None) -> Draft:
         if self.index is None:
             self.index = NgramIndex(cfg.prompt_lookup_min, cfg.prompt_lookup_max)
-        self.index.extend(tokens[0].tolist())
+        committed = tokens[0].tolist()
+        self.index.extend(committed)
         m = cfg.prompt_lookup_num_tokens
-        chain = self.index.draft(m)
+        if cfg.prompt_lookup_adaptive:
+            # the tokens committed since the last round, but for the target's own last one, are the drafts it took
+            taken = self._last == committed[:len(self._last)] and len(committed) > len(self._last)
+            n = self.length or m
+            self.length = n if not self._last else min(m, n + 2) if taken else max(1, n - 1)
+            m = self.length
+        chain = self._last = self.index.draft(m)
         if self.inner is None:
             return Draft.chain(tokens[0, -1], torch.tensor(chain, dtype=torch.long, device=tokens.device))
         draft = merge_chain(self.inner.propose(feats, tokens, cfg, generator), chain, shapes=self._shapes)

@@ -186,6 +186,35 @@ def test_lookup_merged_into_the_head_tree_is_lossless_and_never_accepts_less(tar
         assert a >= agreed(reference_draft(text, 4, 1, 3), future)
 
 
+@pytest.mark.parametrize("m,min_n,max_n", [(5, 1, 3), (4, 2, 2)])
+def test_adaptive_lookup_alone_follows_the_heuristic_schedule_exactly(target, baseline, m, min_n, max_n):
+    # transformers' "heuristic" schedule: from m, +2 after a round that took the whole lookup, -1 after one that did
+    # not, within 1 .. m; rounds without a lookup leave it as it is
+    dec = SpeculativeDecoder(target, None)
+    out = dec.generate(PROMPT, 48, prompt_lookup_num_tokens=m, prompt_lookup_min=min_n, prompt_lookup_max=max_n,
+                       prompt_lookup_adaptive=True)
+    assert out.token_ids == baseline.token_ids
+    n, expected, lengths = m, [], []
+    for text, future in replay(PROMPT[1:], out.token_ids, out.accept_lengths):
+        draft = reference_draft(text, n, min_n, max_n)
+        expected.append(agreed(draft, future))
+        lengths.append(len(draft))
+        if draft:
+            n = min(m, n + 2) if expected[-1] == len(draft) else max(1, n - 1)
+    assert out.accept_lengths[:-1] == expected[:-1]
+    assert len(set(lengths) - {0}) > 1  # the length did change: the check above is not vacuous
+
+
+@pytest.mark.parametrize("cfg", [dict(num_speculative_tokens=2), dict(mode="dynamic", top_k=2, depth=3,
+                                                                      total_tokens=5),
+                                 dict(num_speculative_tokens=2, temperature=0.0, prompt_lookup_after_drafts=True)])
+def test_adaptive_lookup_merged_into_the_head_tree_is_lossless(target, baseline, cfg):
+    dec = SpeculativeDecoder(target, tiny_head(target))
+    out = dec.generate(PROMPT, 48, prompt_lookup_num_tokens=4, prompt_lookup_min=1, prompt_lookup_max=3,
+                       prompt_lookup_adaptive=True, **cfg)
+    assert out.token_ids == baseline.token_ids
+
+
 def test_bad_lookup_settings_are_one_line_errors(target):
     dec = SpeculativeDecoder(target, tiny_head(target))
     with pytest.raises(ValueError, match="prompt_lookup_min <= prompt_lookup_max") as e:
