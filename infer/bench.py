@@ -6,7 +6,8 @@
 
 Candidates: chains of each `sweep_k`, EAGLE-2 dynamic trees of each `sweep_dynamic` (TOP_K:DEPTH:TOTAL_TOKENS;
 not with a `draft_model`, which drafts chains only), each of them also with a prompt-lookup branch of each non-zero
-`sweep_lookup`, and prompt lookup alone; without a head or draft model, prompt lookup alone only. Every other
+`sweep_lookup`, and prompt lookup alone (each lookup also with an adaptive length, `prompt_lookup_adaptive`, with
+`sweep_lookup_adaptive`); without a head or draft model, prompt lookup alone only. Every other
 decoding option (temperature, max_new_tokens, ...) is the base all candidates share. For every prompt, plain
 decoding and every candidate run back to back, in an order reversed every other prompt, so machine noise hits them
 alike; speeds compare only within one run. After `prune_after` prompts, candidates slower than `prune_below` x the
@@ -45,6 +46,7 @@ class BenchConfig:
     sweep_k: list[int] = field(default_factory=lambda: [1, 2, 3, 4, 5, 6])
     sweep_dynamic: list[str] = field(default_factory=lambda: ["2:3:4", "4:3:8", "4:4:8", "8:4:16"])
     sweep_lookup: list[int] = field(default_factory=lambda: [0, 5, 8])  # 0: the head's drafts alone
+    sweep_lookup_adaptive: bool = True  # every lookup candidate also with an adaptive length
     warmup: int = 1  # prompts decoded once by every candidate, unmeasured, before timing starts
     # after this many prompts, candidates slower than prune_below x the fastest stop (0: every candidate runs all)
     prune_after: int = 2
@@ -96,8 +98,12 @@ def candidates(cfg: BenchConfig, has_head: bool) -> list[Candidate]:
         raise EvalError(f"sweep_lookup {cfg.sweep_lookup}: prompt lookup lengths must be >= 0")
     out = [c for c in shapes if 0 in cfg.sweep_lookup]
     for m in (m for m in cfg.sweep_lookup if m > 0):
-        out += [Candidate(f"{c.name} + lookup {m}", {**c.settings, "prompt_lookup_num_tokens": m}) for c in shapes]
-        out.append(Candidate(f"lookup {m} (no head)", dict(prompt_lookup_num_tokens=m), head=False))
+        for adaptive in (False, True) if cfg.sweep_lookup_adaptive else (False,):
+            name, lookup = f"lookup {m}" + (", adaptive" if adaptive else ""), dict(prompt_lookup_num_tokens=m)
+            if cfg.sweep_lookup_adaptive:  # both kinds named in the settings: the base config's must not leak in
+                lookup["prompt_lookup_adaptive"] = adaptive
+            out += [Candidate(f"{c.name} + {name}", {**c.settings, **lookup}) for c in shapes]
+            out.append(Candidate(f"{name} (no head)", lookup, head=False))
     if not out:
         raise EvalError("nothing to measure: give a --draft head (with --sweep-k or --sweep-dynamic) or a "
                         "non-zero --sweep-lookup")
@@ -107,7 +113,8 @@ def candidates(cfg: BenchConfig, has_head: bool) -> list[Candidate]:
 
 
 def flags(settings: dict) -> str:
-    return " ".join(f"--{k.replace('_', '-')} {v}" for k, v in settings.items())
+    return " ".join((f"--{'' if v else 'no-'}{k.replace('_', '-')}" if isinstance(v, bool) else
+                     f"--{k.replace('_', '-')} {v}") for k, v in settings.items())
 
 
 def bench(cfg: BenchConfig, decoder: SpeculativeDecoder | None = None) -> BenchReport:

@@ -18,7 +18,7 @@ def _prompts(tmp_path):
 
 
 def test_candidates_cover_the_sweep():
-    cfg = BenchConfig(sweep_k=[1, 3], sweep_dynamic=["4:3:8"], sweep_lookup=[0, 5])
+    cfg = BenchConfig(sweep_k=[1, 3], sweep_dynamic=["4:3:8"], sweep_lookup=[0, 5], sweep_lookup_adaptive=False)
     names = [c.name for c in candidates(cfg, has_head=True)]
     assert names == ["chain k=1", "chain k=3", "dynamic 4:3:8", "chain k=1 + lookup 5", "chain k=3 + lookup 5",
                      "dynamic 4:3:8 + lookup 5", "lookup 5 (no head)"]
@@ -27,6 +27,11 @@ def test_candidates_cover_the_sweep():
     assert dyn.settings == dict(mode="dynamic", top_k=4, depth=3, total_tokens=8, prompt_lookup_num_tokens=5)
     # the head's drafts alone say so: a base config with lookup on must not leak into them
     assert candidates(cfg, has_head=True)[0].settings["prompt_lookup_num_tokens"] == 0
+    # with adaptive lookups too: a twin of every lookup candidate, each saying which kind it is
+    both = candidates(dataclasses.replace(cfg, sweep_k=[1], sweep_dynamic=[], sweep_lookup_adaptive=True), True)
+    assert [c.name for c in both] == ["chain k=1", "chain k=1 + lookup 5", "lookup 5 (no head)",
+                                      "chain k=1 + lookup 5, adaptive", "lookup 5, adaptive (no head)"]
+    assert [c.settings.get("prompt_lookup_adaptive") for c in both] == [None, False, False, True, True]
 
 
 @pytest.mark.parametrize("bad,msg", [
@@ -53,7 +58,7 @@ def test_bench_measures_every_candidate_and_names_the_fastest_lossless_one(tmp_p
                       num_prompts=3, decode=DecodeConfig(max_new_tokens=10), sweep_k=[1, 2],
                       sweep_dynamic=["2:2:4"], sweep_lookup=[0, 3], prune_after=0)
     r = bench(cfg, decoder=dec)
-    assert len(r.candidates) == 7 and r.num_prompts == 3 and all(c.prompts == 3 for c in r.candidates)
+    assert len(r.candidates) == 11 and r.num_prompts == 3 and all(c.prompts == 3 for c in r.candidates)
     speeds = [c.tokens_per_s for c in r.candidates]
     assert speeds == sorted(speeds, reverse=True)
     assert all(c.identical == 1.0 and c.tau >= 1.0 for c in r.candidates)  # every candidate is lossless
