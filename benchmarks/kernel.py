@@ -228,10 +228,10 @@ def time_q4(shapes: list[str], rows_list: list[int], repeats: int, against: list
         layouts["codes, AMX"] = (True, True, False)
     elif cpukernel.library().vq_supported():
         layouts["codes, VNNI"] = (True, False, True)
-    fast = list(layouts.values())[-1]
+    base, fast = list(layouts.items())[-1]
     libs = {name: None for name in layouts}
     for rev in against:
-        name = f"{list(layouts)[-1]} at {Path(rev).stem[-12:]}"
+        name = f"{base} at {Path(rev).stem[-12:]}"
         layouts[name], libs[name] = fast, kernel_at(rev)
     print(f"threads {torch.get_num_threads()}; us per weight, median of {repeats}, {total_mb} MB of float32 weights")
     for shape in shapes:
@@ -276,8 +276,8 @@ def main() -> None:
     ap.add_argument("--screen", action="store_true",
                     help="only time greedy tokens from SmolLM2's lm_head: the int8 screen against the whole lm_head")
     ap.add_argument("--q4", action="store_true",
-                    help="only time weights in GGUF Q4_1 form: their codes (FMA path, AMX tiles) against their "
-                         "float32 copies")
+                    help="only time weights in GGUF Q4_1 form: their codes (FMA path; AMX tiles or VNNI byte "
+                         "products) against their float32 copies; with --against, those revisions' codes too")
     args = ap.parse_args()
     if args.q4:
         time_q4(args.shapes, args.rows, args.repeats, args.against)

@@ -17,7 +17,7 @@
   of up to 64 rows multiply the codes (Q4_1, the Q8_0 form's, K-quants') by byte products instead (`vq_linear`;
   `VNNI`, `EAGLE_NO_VNNI=1` keeps the FMA path): each input split exactly enough into three bytes a value for float32
   accuracy, the integer sums exact. Decoding the codes to float32 had bound the FMA path by arithmetic on Zen 4: a
-  SmolLM2 pass of 1-16 tokens 1.2-1.35x faster (BENCHMARKS.md, thirty-seventh session).
+  SmolLM2 pass of 1-16 tokens 1.17-1.35x faster (BENCHMARKS.md, thirty-seventh session).
 - `rows_gated`: a gated MLP's `silu(x @ G.T) * (x @ U.T)` in one pass over both weights.
 - `rms_norm`: an RMS norm of each row in one call (the stock module is eight small torch ops).
 - `attend`: attention of a few query rows over the KV cache, grouped-query heads read in place.
@@ -494,7 +494,7 @@ static void q4_many(const unsigned char *Q, const float *X, int64_t in_f, int64_
    rounding for the group (K-quants: for each half of it, with its d and m). Each row's sums do not depend on the
    other rows, so a verification pass gives each row a one-row call's bits (other bits than the FMA path's: the
    same float32 accuracy). A row with a non-finite value sends the call to the FMA path. Measured on Zen 4
-   (BENCHMARKS.md, thirty-seventh session): whole SmolLM2 passes 1.2-1.35x faster than on the FMA path at 1-16 rows;
+   (BENCHMARKS.md, thirty-seventh session): whole SmolLM2 passes 1.17-1.35x faster than on the FMA path at 1-16 rows;
    the byte products serve up to VQ_MAX rows, so every verification pass keeps each row's one-row bits. */
 #if Q4_OK && defined(__AVX512VNNI__) && defined(__AVX512VBMI__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
 #define VQ_OK 1
@@ -638,7 +638,7 @@ static inline __attribute__((always_inline)) void vq_rows_block(const unsigned c
             for (int i = 0; i < R; i++)
                 for (int h = 0; h < 2; h++) H[i][h] = MD[i][h] = L[i][h] = _mm512_setzero_si512();
             /* the quads unrolled by hand: as a loop (GCC 12 unrolls it only up to 2 rows), some of the 18 sums of
-               3 rows live on the stack, and 3-16 rows cost 1.2-1.4x what they cost unrolled */
+               3 rows live on the stack, and 3-16 rows cost 1.1-1.4x what they cost unrolled */
 #define VQ_QUAD(t) do { __m512i c[2], cu[2]; vq_codes(G, t, perm, c, cu, form); \
                         vq_quad(c, cu, a, r, g, t, R, H, MD, L); } while (0)
             const int t0 = halves ? 4 * part : 0;

@@ -196,8 +196,7 @@ class TargetModel:
         self.embed = self.model.get_input_embeddings()
         # the decoder's own config: a multimodal model's (Gemma-3 4B and up, which AutoModelForCausalLM loads as
         # Gemma3ForConditionalGeneration) keeps its text decoder's sizes in a nested text config
-        top = self.model.config
-        self.config = top.get_text_config() if hasattr(top, "get_text_config") else top
+        self.config = self.model.config.get_text_config(decoder=True)
         params = inspect.signature(self.base.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
         self.softcap = getattr(self.config, "final_logit_softcapping", None)
@@ -229,12 +228,13 @@ class TargetModel:
 
     @property
     def eos_ids(self) -> list[int]:
-        ids = next((c.eos_token_id for c in (self.model.config, self.config) if getattr(c, "eos_token_id", None)
-                    is not None), self.tokenizer.eos_token_id)
-        ids = ids if isinstance(ids, list) else [ids]
-        if self.tokenizer.eos_token_id is not None and self.tokenizer.eos_token_id not in ids:
-            ids.append(self.tokenizer.eos_token_id)
-        return [i for i in ids if i is not None]
+        """The stop tokens: the model config's, its text config's (a multimodal model's may name others), the
+        tokenizer's, each once."""
+        ids = []
+        for v in [getattr(c, "eos_token_id", None) for c in (self.model.config, self.config)] + [
+                self.tokenizer.eos_token_id]:
+            ids += [i for i in (v if isinstance(v, list) else [v]) if i is not None and i not in ids]
+        return ids
 
     @property
     def max_length(self) -> int:

@@ -85,7 +85,7 @@ def candidates(cfg: BenchConfig, has_head: bool) -> list[Candidate]:
             if k < 1:
                 raise EvalError(f"sweep_k {k}: chains draft at least 1 token")
             shapes.append(Candidate(f"chain k={k}", dict(mode="chain", num_speculative_tokens=k,
-                                                         prompt_lookup_num_tokens=0)))
+                                                         prompt_lookup_num_tokens=0, prompt_lookup_adaptive=False)))
         for spec in cfg.sweep_dynamic:
             parts = str(spec).split(":")
             if len(parts) != 3 or not all(p.strip().isdigit() for p in parts):
@@ -93,15 +93,14 @@ def candidates(cfg: BenchConfig, has_head: bool) -> list[Candidate]:
             top_k, depth, total = (int(p) for p in parts)
             shapes.append(Candidate(f"dynamic {top_k}:{depth}:{total}",
                                     dict(mode="dynamic", top_k=top_k, depth=depth, total_tokens=total,
-                                         prompt_lookup_num_tokens=0)))
+                                         prompt_lookup_num_tokens=0, prompt_lookup_adaptive=False)))
     if any(m < 0 for m in cfg.sweep_lookup):
         raise EvalError(f"sweep_lookup {cfg.sweep_lookup}: prompt lookup lengths must be >= 0")
     out = [c for c in shapes if 0 in cfg.sweep_lookup]
     for m in (m for m in cfg.sweep_lookup if m > 0):
-        for adaptive in (False, True) if cfg.sweep_lookup_adaptive else (False,):
-            name, lookup = f"lookup {m}" + (", adaptive" if adaptive else ""), dict(prompt_lookup_num_tokens=m)
-            if cfg.sweep_lookup_adaptive:  # both kinds named in the settings: the base config's must not leak in
-                lookup["prompt_lookup_adaptive"] = adaptive
+        for adaptive in (False, True) if cfg.sweep_lookup_adaptive and m > 1 else (False,):  # 1: the same twice
+            name = f"lookup {m}" + (", adaptive" if adaptive else "")
+            lookup = dict(prompt_lookup_num_tokens=m, prompt_lookup_adaptive=adaptive)  # the base's must not leak in
             out += [Candidate(f"{c.name} + {name}", {**c.settings, **lookup}) for c in shapes]
             out.append(Candidate(f"{name} (no head)", lookup, head=False))
     if not out:

@@ -52,7 +52,8 @@ class DecodeConfig:
     prompt_lookup_after_drafts: bool = False
     # the lookup's length follows its acceptance, as transformers' "heuristic" schedule of assistant tokens: from
     # prompt_lookup_num_tokens, 2 more after a round that accepted the whole lookup, 1 fewer after one that did not,
-    # within 1 .. prompt_lookup_num_tokens (where each verified token costs time, unaccepted lookups are not free)
+    # within 1 .. prompt_lookup_num_tokens (where each verified token costs time, unaccepted lookups are not free);
+    # the root's lookup steers it, and lookups after drafts take the same length
     prompt_lookup_adaptive: bool = False
     max_new_tokens: int = 128
     temperature: float = 0.0  # 0: greedy; > 0: lossless sampling from the target's distribution
@@ -114,6 +115,8 @@ def check_config(c: DecodeConfig) -> None:
         problems.append(f"prompt lookup needs prompt_lookup_num_tokens >= 0 and 1 <= prompt_lookup_min <= "
                         f"prompt_lookup_max (got {c.prompt_lookup_num_tokens}, {c.prompt_lookup_min}, "
                         f"{c.prompt_lookup_max})")
+    if c.prompt_lookup_adaptive and c.prompt_lookup_num_tokens == 0:
+        problems.append("prompt_lookup_adaptive needs prompt_lookup_num_tokens > 0 (the longest lookup)")
     if c.temperature < 0 or not 0 < c.top_p <= 1 or c.sampling_top_k < 0:
         problems.append(f"sampling needs temperature >= 0, 0 < top_p <= 1, sampling_top_k >= 0 "
                         f"(got {c.temperature}, {c.top_p}, {c.sampling_top_k})")

@@ -24,14 +24,17 @@ def test_candidates_cover_the_sweep():
                      "dynamic 4:3:8 + lookup 5", "lookup 5 (no head)"]
     assert [c.name for c in candidates(cfg, has_head=False)] == ["lookup 5 (no head)"]
     dyn = candidates(cfg, has_head=True)[5]
-    assert dyn.settings == dict(mode="dynamic", top_k=4, depth=3, total_tokens=8, prompt_lookup_num_tokens=5)
+    assert dyn.settings == dict(mode="dynamic", top_k=4, depth=3, total_tokens=8, prompt_lookup_num_tokens=5,
+                                prompt_lookup_adaptive=False)
     # the head's drafts alone say so: a base config with lookup on must not leak into them
     assert candidates(cfg, has_head=True)[0].settings["prompt_lookup_num_tokens"] == 0
     # with adaptive lookups too: a twin of every lookup candidate, each saying which kind it is
     both = candidates(dataclasses.replace(cfg, sweep_k=[1], sweep_dynamic=[], sweep_lookup_adaptive=True), True)
     assert [c.name for c in both] == ["chain k=1", "chain k=1 + lookup 5", "lookup 5 (no head)",
                                       "chain k=1 + lookup 5, adaptive", "lookup 5, adaptive (no head)"]
-    assert [c.settings.get("prompt_lookup_adaptive") for c in both] == [None, False, False, True, True]
+    assert [c.settings["prompt_lookup_adaptive"] for c in both] == [False, False, False, True, True]
+    assert [c.name for c in candidates(dataclasses.replace(cfg, sweep_lookup=[1], sweep_lookup_adaptive=True),
+                                       has_head=False)] == ["lookup 1 (no head)"]  # adaptive within 1 .. 1: fixed
 
 
 @pytest.mark.parametrize("bad,msg", [

@@ -75,3 +75,6 @@ def test_every_family_decodes_as_transformers_greedy(family):
         assert target.base.layers[0].self_attn.__dict__.get("_fast_module")
     stock = dec.generate(PROMPT, 32, num_speculative_tokens=3, fast_linear=False)
     assert stock.token_ids == plain.token_ids
+    if family == "gemma3-multimodal":  # stop tokens from the model's config and its text config, each once
+        target.model.config.eos_token_id, target.config.eos_token_id = [tiny_tokenizer(96).eos_token_id, 90], 91
+        assert sorted(target.eos_ids) == sorted([tiny_tokenizer(96).eos_token_id, 90, 91])

@@ -220,6 +220,9 @@ def test_bad_lookup_settings_are_one_line_errors(target):
     with pytest.raises(ValueError, match="prompt_lookup_min <= prompt_lookup_max") as e:
         dec.generate(PROMPT, 4, prompt_lookup_num_tokens=3, prompt_lookup_min=5)
     assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match="prompt_lookup_adaptive needs prompt_lookup_num_tokens > 0") as e:
+        dec.generate(PROMPT, 4, prompt_lookup_adaptive=True)
+    assert "\n" not in str(e.value)
 
 
 def test_lookup_alone_sampling_reproduces_the_target_distribution():
