@@ -114,6 +114,8 @@ def main() -> None:
     ap.add_argument("--prompt-lookup", type=int, default=0, metavar="M",
                     help="our prompt lookup branch of M tokens in the speculative run's tree (with --lookup-ngram)")
     ap.add_argument("--lookup-ngram", default="2,4", metavar="MIN,MAX", help="prompt_lookup_min, prompt_lookup_max")
+    ap.add_argument("--prompt-lookup-adaptive", action="store_true",
+                    help="the lookup's length follows its acceptance (prompt_lookup_adaptive)")
     ap.add_argument("--context", type=int, default=256, help="KV-cache length for the pass-cost curve")
     ap.add_argument("--repeats", type=int, default=7)
     args = ap.parse_args()
@@ -128,7 +130,8 @@ def main() -> None:
         spec_kw = dict(mode="chain", num_speculative_tokens=args.k)
     if args.prompt_lookup:
         lo, hi = map(int, args.lookup_ngram.split(","))
-        spec_kw.update(prompt_lookup_num_tokens=args.prompt_lookup, prompt_lookup_min=lo, prompt_lookup_max=hi)
+        spec_kw.update(prompt_lookup_num_tokens=args.prompt_lookup, prompt_lookup_min=lo, prompt_lookup_max=hi,
+                       prompt_lookup_adaptive=args.prompt_lookup_adaptive)
 
     # 1-2. memory floor and the pass-cost curve, stock vs fast
     # every weight is read once per step (a tied embedding counts once: its lm_head use reads it whole)
