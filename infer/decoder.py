@@ -53,7 +53,7 @@ class DecodeConfig:
     # the lookup's length follows its acceptance, as transformers' "heuristic" schedule of assistant tokens: from
     # prompt_lookup_num_tokens, 2 more after a round that accepted the whole lookup, 1 fewer after one that did not,
     # within 1 .. prompt_lookup_num_tokens (where each verified token costs time, unaccepted lookups are not free);
-    # the root's lookup steers it, and lookups after drafts take the same length
+    # lookups after drafts take the same length, and a round that took one of them whole counts as taken
     prompt_lookup_adaptive: bool = False
     max_new_tokens: int = 128
     temperature: float = 0.0  # 0: greedy; > 0: lossless sampling from the target's distribution

@@ -447,7 +447,7 @@ class LookupProposer:
         self.index: NgramIndex | None = None
         self._shapes: dict = {}  # merge_chain's tensors of each tree shape seen
         self.length: int | None = None  # the adaptive lookup length (None: prompt_lookup_num_tokens)
-        self._last: list[int] = []  # the lookup drafted in the last round
+        self._last: list[list[int]] = []  # the last round's lookups, each as the tokens from the root to its end
 
     def __copy__(self) -> "LookupProposer":
         """A copy that drafts on its own (one per generation): its inner proposer copied too."""
@@ -471,12 +471,14 @@ class LookupProposer:
         self.index.extend(committed)
         m = cfg.prompt_lookup_num_tokens
         if cfg.prompt_lookup_adaptive:
-            # the tokens committed since the last round, but for the target's own last one, are the drafts it took
-            taken = self._last == committed[:len(self._last)] and len(committed) > len(self._last)
+            # the tokens committed since the last round, but for the target's own last one, are the drafts it took:
+            # whole when one of the lookups is a prefix of them
+            taken = any(seq == committed[:len(seq)] and len(committed) > len(seq) for seq in self._last)
             n = self.length or m
             self.length = n if not self._last else min(m, n + 2) if taken else max(1, n - 1)
             m = self.length
-        chain = self._last = self.index.draft(m)
+        chain = self.index.draft(m)
+        self._last = [chain] if chain else []
         if self.inner is None:
             return Draft.chain(tokens[0, -1], torch.tensor(chain, dtype=torch.long, device=tokens.device))
         draft = merge_chain(self.inner.propose(feats, tokens, cfg, generator), chain, shapes=self._shapes)
@@ -488,7 +490,9 @@ class LookupProposer:
             leaf[0] = False
             leaves = leaf.nonzero().flatten().tolist()
             for leaf in leaves:
-                more = self.index.draft(m, toks[tree.path_to(node_mask, leaf)[1:]].tolist())
+                drafted = toks[tree.path_to(node_mask, leaf)[1:]].tolist()
+                more = self.index.draft(m, drafted)
                 if more:
                     draft = merge_chain(draft, more, start=leaf, shapes=self._shapes)
+                    self._last.append(drafted + more)
         return draft

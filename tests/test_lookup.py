@@ -5,8 +5,8 @@ import pytest
 import torch
 from tiny import tiny_head, tiny_target
 
-from infer import SpeculativeDecoder
-from infer.proposer import Draft, NgramIndex, merge_chain
+from infer import DecodeConfig, SpeculativeDecoder
+from infer.proposer import Draft, LookupProposer, NgramIndex, merge_chain
 
 PROMPT = [5, 6, 7, 8, 5, 6, 7, 9, 5, 6, 7, 8, 10]  # repeats, so the lookup finds matches from the first round
 
@@ -203,6 +203,24 @@ def test_adaptive_lookup_alone_follows_the_heuristic_schedule_exactly(target, ba
             n = min(m, n + 2) if expected[-1] == len(draft) else max(1, n - 1)
     assert out.accept_lengths[:-1] == expected[:-1]
     assert len(set(lengths) - {0}) > 1  # the length did change: the check above is not vacuous
+
+
+def test_adaptive_length_counts_a_lookup_after_the_drafts_taken_whole_hand_checked():
+    class Sevens:  # an inner proposer that always drafts the one token 7
+        def propose(self, feats, tokens, cfg, generator=None):
+            return Draft.chain(tokens[0, -1], torch.tensor([7]))
+
+    cfg = DecodeConfig(prompt_lookup_num_tokens=3, prompt_lookup_min=1, prompt_lookup_max=1,
+                       prompt_lookup_adaptive=True, prompt_lookup_after_drafts=True)
+    q, lengths = LookupProposer(Sevens()), []
+    # round 0 (the prompt after its first token, then the root 1): the root's lookup after "1" is 2 3 7, the one
+    # after the drafted 7 is 4 5 6; round 1 took neither (root 5): 2 tokens now, lookups 6 8 and, after 7, 4 5;
+    # round 2 took 7 4 5 whole (root 2): back to 3, where only the root's lookup counted it would drop to 1
+    for committed in ([1, 2, 3, 7, 4, 5, 6, 8, 1], [5], [7, 4, 5, 2]):
+        draft = q.propose(None, torch.tensor([committed]), cfg)
+        lengths.append(q.length)
+    assert lengths == [3, 2, 3]
+    assert draft.tokens.tolist()[:1] == [2]
 
 
 @pytest.mark.parametrize("cfg", [dict(num_speculative_tokens=2), dict(mode="dynamic", top_k=2, depth=3,
