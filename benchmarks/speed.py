@@ -243,7 +243,7 @@ def main() -> None:
         "speedup_vs_hf_generate": {m: tps[m] / tps["hf_generate"] for m in methods},
         "verify_cost_ratio_k8": curve["fast"][8] / curve["fast"][1],
         "verify_cost_ratio_k16": curve["fast"][16] / curve["fast"][1],
-        "amx": cpukernel.amx_on(), "vnni": not cpukernel.amx_on() and bool(cpukernel.library().vq_supported()),
+        "amx": cpukernel.amx_on(), "vnni": cpukernel.vnni_on(),
         "verify_cost_ratio_k8_stock": curve["stock"][8] / curve["stock"][1],
         "pass_ms": curve, "threads_pass_ms": scaling,
         "spec_round_ms": {k: 1e3 * v / max(passes, 1) for k, v in round_s.items()},

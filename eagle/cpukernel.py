@@ -501,15 +501,15 @@ static void q4_many(const unsigned char *Q, const float *X, int64_t in_f, int64_
 #define VQ_MAX 64  /* rows up to which the byte products serve; beyond, q4_many decodes each group once for all */
 #define VQ_ROWS 3  /* rows a tile: 3 rows x 3 parts x 2 halves = 18 int32 sums in registers (4 rows: no faster) */
 static inline int is_vq(const float *P) { return ((uintptr_t)P & 8) != 0; }
-/* X [M][G][3][32]: hi, mid, lo; S, SX [M][G]: s and the float32 sum of the group's x; HS [M][G]: sum of its hi;
-   SXh, HSh [M][G][2]: the same sums over each half of the group (K-quant codes have a d and m per 16 inputs) */
-typedef struct { const int8_t *X; const float *S, *SX, *SXh; const int32_t *HS, *HSh; int64_t G; } vq_rows;
+/* X [M][G][3][32]: hi, mid, lo; S, SX [M][G]: s and the float32 sum of the group's x; HSh [M][G][2]: the sum of
+   its hi over each half, SXh [M][G][2]: of its x (K-quant codes have a d and m per 16 inputs) */
+typedef struct { const int8_t *X; const float *S, *SX, *SXh; const int32_t *HSh; int64_t G; } vq_rows;
 /* a's bytes of X [M][in_f] in this thread's buffer; 0 if a value is not finite */
 static int vq_prepare(const float *X, int64_t M, int64_t in_f, vq_rows *a) {
     const int64_t G = in_f / 32;
-    int8_t *P = thread_buffer(2, (size_t)(M * G) * (96 + 7 * sizeof(float)));  /* X; S, SX, HS; HSh, SXh */
+    int8_t *P = thread_buffer(2, (size_t)(M * G) * (96 + 6 * sizeof(float)));  /* X; S, SX; HSh, SXh */
     float *S = (float *)(P + M * G * 96), *SX = S + M * G;
-    int32_t *HS = (int32_t *)(SX + M * G), *HSh = HS + M * G;
+    int32_t *HSh = (int32_t *)(SX + M * G);
     float *SXh = (float *)(HSh + 2 * M * G);
     for (int64_t rg = 0; rg < M * G; rg++) {
         const float *x = X + (rg / G) * in_f + (rg % G) * 32;
@@ -520,7 +520,6 @@ static int vq_prepare(const float *X, int64_t M, int64_t in_f, vq_rows *a) {
         const float f = mx > 1e-30f ? frexpf(mx / 127.0f, &e) : 0.0f;  /* mx / 127 = f 2^e, f in [0.5, 1) */
         const float s = f == 0.0f ? 1.0f : ldexpf(1.0f, f == 0.5f ? e - 1 : e), inv = 1.0f / s;  /* both exact */
         const __m512 zero = _mm512_setzero_ps(), top = _mm512_set1_ps(255.0f), k256 = _mm512_set1_ps(256.0f);
-        __m512i hs = _mm512_setzero_si512();
         for (int h = 0; h < 2; h++) {
             const __m512 y = f == 0.0f ? zero : _mm512_mul_ps(h ? x1 : x0, _mm512_set1_ps(inv));
             const __m512 hi = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
@@ -531,7 +530,6 @@ static int vq_prepare(const float *X, int64_t M, int64_t in_f, vq_rows *a) {
                                             top);
             int8_t *p = P + rg * 96 + 16 * h;
             const __m512i hq = _mm512_cvtps_epi32(hi);
-            hs = _mm512_add_epi32(hs, hq);
             HSh[2 * rg + h] = _mm512_reduce_add_epi32(hq);
             SXh[2 * rg + h] = _mm512_reduce_add_ps(h ? x1 : x0);
             _mm_storeu_si128((__m128i *)p, _mm512_cvtepi32_epi8(hq));
@@ -540,9 +538,8 @@ static int vq_prepare(const float *X, int64_t M, int64_t in_f, vq_rows *a) {
         }
         S[rg] = s;
         SX[rg] = _mm512_reduce_add_ps(_mm512_add_ps(x0, x1));
-        HS[rg] = _mm512_reduce_add_epi32(hs);
     }
-    a->X = P, a->S = S, a->SX = SX, a->SXh = SXh, a->HS = HS, a->HSh = HSh, a->G = G;
+    a->X = P, a->S = S, a->SX = SX, a->SXh = SXh, a->HSh = HSh, a->G = G;
     return 1;
 }
 /* one input quad t of group g: the sums H, MD, L [R][2] of rows r .. r + R - 1 take codes c [2] (outputs 0-15,
@@ -572,7 +569,7 @@ static inline __attribute__((always_inline)) void vq_scale(__m512i (*H)[2], __m5
         const int64_t rg = (r + i) * a->G + g;
         const __m512 s = _mm512_set1_ps(a->S[rg]);
         const __m512 sx = _mm512_set1_ps(half < 0 ? a->SX[rg] : a->SXh[2 * rg + half]);
-        const int32_t hs = half < 0 ? a->HS[rg] : a->HSh[2 * rg + half];
+        const int32_t hs = half < 0 ? a->HSh[2 * rg] + a->HSh[2 * rg + 1] : a->HSh[2 * rg + half];
         for (int h = 0; h < 2; h++) {  /* |ML| < 2^29: its float32 rounds at 2^-24 of it; the sum once */
             const __m512i hq = form != FORM_Q4 ? _mm512_sub_epi32(H[i][h], _mm512_set1_epi32(128 * hs)) : H[i][h];
             const __m512i ml = _mm512_add_epi32(_mm512_slli_epi32(MD[i][h], 8), L[i][h]);
@@ -2602,6 +2599,13 @@ def amx_on() -> bool:
     return AMX and _amx
 
 
+def vnni_on() -> bool:
+    """Whether GGUF codes are multiplied by byte products (`vq_linear`): the `VNNI` switch, no AMX tiles in use
+    (`amx_on`), a kernel built with them."""
+    lib = _lib or library()
+    return VNNI and not amx_on() and bool(lib is not None and lib.vq_supported())
+
+
 def packed(weight: torch.Tensor) -> int:
     """Address of `weight` in the kernels' layout, made on first use and kept on the tensor itself until the weight
     changes in place (an optimizer step) or moves: Q4_1 codes for a weight dequantized from GGUF Q4_1 (0.625 bytes a
@@ -2627,9 +2631,7 @@ def _packed_address(weight: torch.Tensor) -> int:
     address = _kept(weight, name, _pack_any, Q4_1, amx)[1]
     # bit 3: byte products; not for a weight the greedy screen reads, whose argmax is the float32 products' bit for
     # bit (the lm_head: its logits and greedy tokens agree)
-    lib = _lib or library()
-    if (address & 7 in (1, 5, 6) and VNNI and not amx and "_eagle_screened" not in weight.__dict__
-            and lib.vq_supported()):
+    if address & 7 in (1, 5, 6) and "_eagle_screened" not in weight.__dict__ and vnni_on():
         assert address & 8 == 0, "a layout's address not 16-byte aligned"
         return address | 8
     return address

@@ -59,9 +59,9 @@ class HeadConfig:
             num_attention_heads=c.num_attention_heads,
             num_key_value_heads=kv_heads,
             head_dim=head_dim,
-            # GPT-2 names it n_inner, Falcon ffn_hidden_size; both default to 4 x hidden
-            intermediate_size=next((v for v in (getattr(c, k, None) for k in ("intermediate_size", "ffn_hidden_size",
-                                                                               "n_inner")) if v), 4 * c.hidden_size),
+            # Falcon names it ffn_hidden_size, GPT-2 n_inner (None there: 4 x hidden, as both default)
+            intermediate_size=(getattr(c, "intermediate_size", None) or getattr(c, "ffn_hidden_size", None)
+                               or getattr(c, "n_inner", None) or 4 * c.hidden_size),
             rms_norm_eps=float(getattr(c, "rms_norm_eps", 1e-6)),
             rope_theta=float(theta),
             logit_softcap=target.softcap,

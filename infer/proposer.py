@@ -478,7 +478,8 @@ class LookupProposer:
             self.length = n if not self._last else min(m, n + 2) if taken else max(1, n - 1)
             m = self.length
         chain = self.index.draft(m)
-        self._last = [chain] if chain else []
+        adaptive = cfg.prompt_lookup_adaptive  # only then are this round's lookups kept for the next
+        self._last = [chain] if chain and adaptive else []
         if self.inner is None:
             return Draft.chain(tokens[0, -1], torch.tensor(chain, dtype=torch.long, device=tokens.device))
         draft = merge_chain(self.inner.propose(feats, tokens, cfg, generator), chain, shapes=self._shapes)
@@ -494,5 +495,6 @@ class LookupProposer:
                 more = self.index.draft(m, drafted)
                 if more:
                     draft = merge_chain(draft, more, start=leaf, shapes=self._shapes)
-                    self._last.append(drafted + more)
+                    if adaptive:
+                        self._last.append(drafted + more)
         return draft
