@@ -292,7 +292,7 @@ static inline int is_i8(const float *P) { return ((uintptr_t)P & 7) == 4; }
 static void i8_linear(const float *P, const float *X, const float *B, float *Y, int64_t lo, int64_t hi,
                       int64_t out_f, int64_t in_f, int64_t M);
 static void i8_gated(const float *G, const float *U, const float *X, float *Y, int64_t out_f, int64_t in_f,
-                     int64_t M, int nthreads);
+                     int64_t M, int nthreads, int act);
 static void i8_one_block(const float *P, int64_t b, const float *X, int64_t in_f, int R, float *acc);
 #if AMX_OK
 typedef struct { uint16_t *XS; float *S, *acc; int64_t M, Mp, in_f; int R; } amx_rows;
@@ -301,7 +301,7 @@ static void tile_block(const float *P, int64_t b, const amx_rows *a, float *acc,
 static void amx_linear(const float *P, const float *X, const float *B, float *Y, int64_t lo, int64_t hi,
                        int64_t out_f, int64_t in_f, int64_t M);
 static void amx_gated(const float *G, const float *U, const float *X, float *Y, int64_t out_f, int64_t in_f,
-                      int64_t M, int nthreads);
+                      int64_t M, int nthreads, int act);
 #endif
 #if defined(__AVX512F__)
 /* sizeof(vw) / 4 float16 values as floats (exactly) */
@@ -786,7 +786,7 @@ static inline void share(int64_t n, int64_t *lo, int64_t *hi) {
 }
 
 static void gated_chunk(const float *G, const float *U, const float *X, float *Y, int64_t out_f, int64_t in_f,
-                        int64_t M, int nthreads);
+                        int64_t M, int nthreads, int act);
 
 /* rows per chunk of a long input: about 1 MB of input rows, which stay in L2 while every block of the weight passes
    over them (else each block would read all the rows from memory again); a multiple of RMAX */
@@ -810,32 +810,44 @@ void rows_linear(const float *P, const float *X, const float *B, float *Y,
     }
 }
 
-/* A gated MLP's first half: Y[m, o] = silu(G[o] . X[m]) * (U[o] . X[m]), G and U packed, block by block. */
+/* A gated MLP's first half: Y[m, o] = act(G[o] . X[m]) * (U[o] . X[m]), G and U packed, block by block; act is
+   SiLU (0) or GELU's tanh form (1, as store_gated computes them). */
 void rows_gated(const float *G, const float *U, const float *X, float *Y,
-                int64_t out_f, int64_t in_f, int64_t M, int nthreads) {
+                int64_t out_f, int64_t in_f, int64_t M, int nthreads, int act) {
     const int64_t chunk = row_chunk(in_f);
     for (int64_t c = 0; c < M; c += chunk)
-        gated_chunk(G, U, X + c * in_f, Y + c * out_f, out_f, in_f, M - c < chunk ? M - c : chunk, nthreads);
+        gated_chunk(G, U, X + c * in_f, Y + c * out_f, out_f, in_f, M - c < chunk ? M - c : chunk, nthreads, act);
 }
 
 static inline v8 vexp(v8 x);
-/* Y[m0 + r, o0 + o] = silu(g[r, o]) * u[r, o] for r < R, o < n (g and u: R rows of NB sums), 8 at a time:
-   silu(g) = g / (1 + exp(-g)) = (g >= 0 ? g : g e) / (1 + e) with e = exp(-|g|) <= 1 */
+/* Y[m0 + r, o0 + o] = act(g[r, o]) * u[r, o] for r < R, o < n (g and u: R rows of NB sums), 8 at a time. Both
+   activations are g sigmoid(s): SiLU (act 0) with s = g, GELU's tanh form (act 1: 0.5 g (1 + tanh(z)) with
+   z = sqrt(2 / pi) (g + 0.044715 g^3), and 0.5 (1 + tanh(z)) = sigmoid(2 z)) with s = 2 z. Then
+   g sigmoid(s) = (s >= 0 ? g : g e) / (1 + e) with e = exp(-|s|) <= 1. */
+#define GELU_2C 1.5957691216057308f  /* 2 sqrt(2 / pi) */
 static inline void store_gated(float *Y, const float *g, const float *u, int64_t out_f, int64_t o0, int64_t n,
-                               int64_t m0, int64_t R) {
+                               int64_t m0, int64_t R, int act) {
     for (int64_t r = 0; r < R; r++)
         for (int64_t o = 0; o < n; o += 8) {
             const v8 gv = load8(g + r * NB + o), uv = load8(u + r * NB + o);
 #ifdef __AVX2__
-            const __m256 x = (__m256)gv, e = (__m256)vexp((v8)_mm256_or_ps(x, _mm256_set1_ps(-0.0f)));
+            const __m256 x = (__m256)gv;
+            const __m256 s = act ? _mm256_mul_ps(_mm256_set1_ps(GELU_2C),
+                                                 _mm256_add_ps(x, _mm256_mul_ps(_mm256_set1_ps(0.044715f),
+                                                                                _mm256_mul_ps(_mm256_mul_ps(x, x), x))))
+                                 : x;
+            const __m256 e = (__m256)vexp((v8)_mm256_or_ps(s, _mm256_set1_ps(-0.0f)));
             const __m256 num = _mm256_blendv_ps(_mm256_mul_ps(x, e), x,
-                                                _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_GE_OQ));
+                                                _mm256_cmp_ps(s, _mm256_setzero_ps(), _CMP_GE_OQ));
             const v8 y = (v8)_mm256_mul_ps(_mm256_div_ps(num, _mm256_add_ps(_mm256_set1_ps(1.0f), e)), (__m256)uv);
 #else
-            v8 na, y;
-            for (int l = 0; l < 8; l++) na[l] = -fabsf(gv[l]);
+            v8 sv, na, y;
+            for (int l = 0; l < 8; l++) {
+                sv[l] = act ? GELU_2C * (gv[l] + 0.044715f * (gv[l] * gv[l] * gv[l])) : gv[l];
+                na[l] = -fabsf(sv[l]);
+            }
             const v8 e = vexp(na);
-            for (int l = 0; l < 8; l++) y[l] = (gv[l] >= 0.0f ? gv[l] : gv[l] * e[l]) / (1.0f + e[l]) * uv[l];
+            for (int l = 0; l < 8; l++) y[l] = (sv[l] >= 0.0f ? gv[l] : gv[l] * e[l]) / (1.0f + e[l]) * uv[l];
 #endif
             memcpy(Y + (m0 + r) * out_f + o0 + o, &y, sizeof(float) * (size_t)(n - o < 8 ? n - o : 8));
         }
@@ -1183,7 +1195,7 @@ static void amx_linear(const float *P, const float *X, const float *B, float *Y,
 
 /* gated_chunk for gate and up weights on tiles */
 static void amx_gated(const float *G, const float *U, const float *X, float *Y, int64_t out_f, int64_t in_f,
-                      int64_t M, int nthreads) {
+                      int64_t M, int nthreads, int act) {
     const int64_t nblk = (out_f + NB - 1) / NB;
     #pragma omp parallel num_threads(nthreads)
     {
@@ -1202,7 +1214,7 @@ static void amx_gated(const float *G, const float *U, const float *X, float *Y, 
                     amx_run(Q, ahead, 2 * n, &a, acc);
                     for (int j = 0; j < n; j++)
                         store_gated(Y, acc[2 * j], acc[2 * j + 1], out_f, (b + j) * NB,
-                                    out_f - (b + j) * NB < NB ? out_f - (b + j) * NB : NB, c, rows);
+                                    out_f - (b + j) * NB < NB ? out_f - (b + j) * NB : NB, c, rows, act);
                 }
                 continue;
             }
@@ -1218,7 +1230,7 @@ static void amx_gated(const float *G, const float *U, const float *X, float *Y, 
                     tile_block(G, b, &a, g, b + 1 < hi);
                     tile_block(U, b, &a, u, b + 1 < hi);
                 }
-                store_gated(Y, g, u, out_f, b * NB, out_f - b * NB < NB ? out_f - b * NB : NB, c, rows);
+                store_gated(Y, g, u, out_f, b * NB, out_f - b * NB < NB ? out_f - b * NB : NB, c, rows, act);
             }
         }
     }
@@ -1228,14 +1240,14 @@ int amx_enable(void) { return 0; }
 #endif
 
 static void gated_chunk(const float *G, const float *U, const float *X, float *Y, int64_t out_f, int64_t in_f,
-                        int64_t M, int nthreads) {
+                        int64_t M, int nthreads, int act) {
     if (is_i8(G) && is_i8(U)) {
-        i8_gated(G, U, X, Y, out_f, in_f, M, nthreads);
+        i8_gated(G, U, X, Y, out_f, in_f, M, nthreads, act);
         return;
     }
 #if AMX_OK
     if (on_tiles(G) && on_tiles(U)) {
-        amx_gated(G, U, X, Y, out_f, in_f, M, nthreads);
+        amx_gated(G, U, X, Y, out_f, in_f, M, nthreads, act);
         return;
     }
 #endif
@@ -1248,7 +1260,7 @@ static void gated_chunk(const float *G, const float *U, const float *X, float *Y
             float g[VQ_MAX * NB], u[VQ_MAX * NB];
             vq_block(G, b, b + 1 < nblk, in_f, &a, 0, M, g);
             vq_block(U, b, b + 1 < nblk, in_f, &a, 0, M, u);
-            store_gated(Y, g, u, out_f, b * NB, out_f - b * NB < NB ? out_f - b * NB : NB, 0, M);
+            store_gated(Y, g, u, out_f, b * NB, out_f - b * NB < NB ? out_f - b * NB : NB, 0, M, act);
         }
         return;
     }
@@ -1266,7 +1278,7 @@ static void gated_chunk(const float *G, const float *U, const float *X, float *Y
                 const int first = b + 1 < nblk && m0 == 0;
                 q4_many(q4_block(G, b, in_f), X + m0 * in_f, in_f, R, gm, first ? q4_block(G, b + 1, in_f) : 0, 0);
                 q4_many(q4_block(U, b, in_f), X + m0 * in_f, in_f, R, um, first ? q4_block(U, b + 1, in_f) : 0, 0);
-                store_gated(Y, gm, um, out_f, o0, n, m0, R);
+                store_gated(Y, gm, um, out_f, o0, n, m0, R, act);
             }
             continue;
         }
@@ -1280,7 +1292,7 @@ static void gated_chunk(const float *G, const float *U, const float *X, float *Y
                 block_tile(G, b, b + 1 < nblk, X + m0 * in_f, in_f, R, g, t, T);
                 block_tile(U, b, b + 1 < nblk, X + m0 * in_f, in_f, R, u, t, T);
             }
-            store_gated(Y, g, u, out_f, o0, n, m0, R);
+            store_gated(Y, g, u, out_f, o0, n, m0, R, act);
             m0 += R;
         }
     }
@@ -1584,11 +1596,14 @@ void rope(float *X, const float *cos, const float *sin, int64_t B, int64_t M, in
    loop over their stacked outputs), the rotary embedding of q and k, the new keys and values written into the
    cache buffers at positions past .. past + M - 1 (K / V [H_kv, capacity, D], head stride kv_sh), attention over
    the past + M keys, and the o product into Y [M, hidden]. Every number is computed by the same code, in the same
-   order, as the separate calls above (rows_linear, rope, attend), so the results are theirs bit for bit. work holds
-   M (2 H + 2 H_kv) D floats. */
+   order, as the separate calls above (rows_linear, rope, attend), so the results are theirs bit for bit. With Wqn
+   and Wkn (Qwen3's, Gemma-3's q and k norms), each head's query and key is normed (rms_norm over D, epsilon
+   eps_qk) before the rotation. work holds M (2 H + 2 H_kv) D floats. */
+void rms_norm(const float *X, const float *W, float *Y, int64_t M, int64_t n, float eps);
 void attention_block(const float *X, int64_t M, int64_t hid,
                      const float *Wq, const float *Bq, const float *Wk, const float *Bk,
                      const float *Wv, const float *Bv, const float *Wo, const float *Bo,
+                     const float *Wqn, const float *Wkn, float eps_qk,
                      int64_t H, int64_t Hkv, int64_t D, const float *cos, const float *sin,
                      float *K, float *V, int64_t kv_sh, int64_t past,
                      const void *mask, int mask_kind, int64_t mask_sm, float scale,
@@ -1620,6 +1635,8 @@ void attention_block(const float *X, int64_t M, int64_t hid,
 #undef FIRST
 #undef LAST
     }
+    if (Wqn) rms_norm(Q, Wqn, Q, M * H, D, eps_qk);  /* in place: each row's sum is taken before it is written */
+    if (Wkn) rms_norm(Kn, Wkn, Kn, M * Hkv, D, eps_qk);
     rope(Q, cos, sin, 1, M, H, D, 0);
     rope(Kn, cos, sin, 1, M, Hkv, D, 0);
     for (int64_t m = 0; m < M; m++)
@@ -1663,23 +1680,30 @@ void rms_norm(const float *X, const float *W, float *Y, int64_t M, int64_t n, fl
 /* A Llama-style decoder layer for M rows of one sequence, in one call:
        h = x + attention(rms_norm(x)),  y = h + down(silu(gate(rms_norm(h))) * up(rms_norm(h)))
    with the calls above (rms_norm, attention_block, rows_gated, rows_linear) and plain float sums, so the results
-   are those of the separate calls bit for bit. work holds M (3 hid + inter + (2 H + 2 H_kv) D) floats. */
+   are those of the separate calls bit for bit. Gemma-3's layers also norm the attention's output (Wpa) and the
+   MLP's (Wpf) before their residual sums, norm each head's query and key (Wqn, Wkn: attention_block), and gate by
+   GELU (act 1: rows_gated); null weights and act 0 for Llama's. work holds M (3 hid + inter + (2 H + 2 H_kv) D)
+   floats. */
 void decoder_layer(const float *X, int64_t M, int64_t hid, const float *Wn1, float eps1, const float *Wn2, float eps2,
+                   const float *Wpa, float eps_pa, const float *Wpf, float eps_pf,
                    const float *Wq, const float *Bq, const float *Wk, const float *Bk,
                    const float *Wv, const float *Bv, const float *Wo, const float *Bo,
+                   const float *Wqn, const float *Wkn, float eps_qk,
                    int64_t H, int64_t Hkv, int64_t D, const float *cos, const float *sin,
                    float *K, float *V, int64_t kv_sh, int64_t past,
                    const void *mask, int mask_kind, int64_t mask_sm, float scale,
-                   const float *G, const float *U, const float *Dn, int64_t inter,
+                   const float *G, const float *U, const float *Dn, int64_t inter, int act,
                    float *work, float *Y, int nthreads) {
     float *N = work, *Hs = N + M * hid, *T = Hs + M * hid, *Mid = T + M * hid, *aw = Mid + M * inter;
     if (Wn1) rms_norm(X, Wn1, N, M, hid, eps1);  /* none: the input goes to attention as it is (an EAGLE head's) */
-    attention_block(Wn1 ? N : X, M, hid, Wq, Bq, Wk, Bk, Wv, Bv, Wo, Bo, H, Hkv, D, cos, sin, K, V, kv_sh, past,
-                    mask, mask_kind, mask_sm, scale, aw, T, nthreads);
+    attention_block(Wn1 ? N : X, M, hid, Wq, Bq, Wk, Bk, Wv, Bv, Wo, Bo, Wqn, Wkn, eps_qk, H, Hkv, D, cos, sin, K, V,
+                    kv_sh, past, mask, mask_kind, mask_sm, scale, aw, T, nthreads);
+    if (Wpa) rms_norm(T, Wpa, T, M, hid, eps_pa);
     for (int64_t i = 0; i < M * hid; i++) Hs[i] = X[i] + T[i];
     rms_norm(Hs, Wn2, N, M, hid, eps2);
-    rows_gated(G, U, N, Mid, inter, hid, M, nthreads);
+    rows_gated(G, U, N, Mid, inter, hid, M, nthreads, act);
     rows_linear(Dn, Mid, 0, T, hid, inter, M, nthreads);
+    if (Wpf) rms_norm(T, Wpf, T, M, hid, eps_pf);
     for (int64_t i = 0; i < M * hid; i++) Y[i] = Hs[i] + T[i];
 }
 
@@ -1697,10 +1721,10 @@ void decoder_stack(const float *X, int64_t M, int64_t hid, int64_t L, const int6
     for (int64_t l = 0; l < L; l++) {
         const int64_t *p = P + 15 * l;
         float *out = (L - 1 - l) % 2 == 0 ? Y : A;
-        decoder_layer(in, M, hid, F_AT(0), eps[2 * l], F_AT(1), eps[2 * l + 1], F_AT(2), F_AT(3), F_AT(4), F_AT(5),
-                      F_AT(6), F_AT(7), F_AT(8), F_AT(9), H, Hkv, D, cos, sin, (float *)(intptr_t)p[13],
-                      (float *)(intptr_t)p[14], kv_sh[l], past, mask, mask_kind, mask_sm, scale, F_AT(10), F_AT(11),
-                      F_AT(12), inter, work, out, nthreads);
+        decoder_layer(in, M, hid, F_AT(0), eps[2 * l], F_AT(1), eps[2 * l + 1], 0, 0.0f, 0, 0.0f, F_AT(2), F_AT(3),
+                      F_AT(4), F_AT(5), F_AT(6), F_AT(7), F_AT(8), F_AT(9), 0, 0, 0.0f, H, Hkv, D, cos, sin,
+                      (float *)(intptr_t)p[13], (float *)(intptr_t)p[14], kv_sh[l], past, mask, mask_kind, mask_sm,
+                      scale, F_AT(10), F_AT(11), F_AT(12), inter, 0, work, out, nthreads);
         if (Keep && l < L - 1) memcpy(Keep + l * M * hid, out, sizeof(float) * M * hid);
         in = out;
     }
@@ -1978,7 +2002,7 @@ static void i8_linear(const float *P, const float *X, const float *B, float *Y, 
         }
 }
 static void i8_gated(const float *G, const float *U, const float *X, float *Y, int64_t out_f, int64_t in_f,
-                     int64_t M, int nthreads) {
+                     int64_t M, int nthreads, int act) {
     const int64_t nblk = (out_f + NB - 1) / NB;
     #pragma omp parallel num_threads(nthreads)
     {
@@ -1991,7 +2015,7 @@ static void i8_gated(const float *G, const float *U, const float *X, float *Y, i
                 const int R = M - r0 < 16 ? (int)(M - r0) : 16, first = r0 == 0 && b + 1 < hi;
                 i8_block(i8_at(G, b, a.in_p), &a, r0, R, g, first ? i8_at(G, b + 1, a.in_p) : 0);
                 i8_block(i8_at(U, b, a.in_p), &a, r0, R, u, first ? i8_at(U, b + 1, a.in_p) : 0);
-                store_gated(Y, g, u, out_f, b * NB, out_f - b * NB < NB ? out_f - b * NB : NB, r0, R);
+                store_gated(Y, g, u, out_f, b * NB, out_f - b * NB < NB ? out_f - b * NB : NB, r0, R, act);
             }
     }
 }
@@ -2007,8 +2031,8 @@ static void i8_linear(const float *P, const float *X, const float *B, float *Y, 
     i8_fail(Y, M * out_f);
 }
 static void i8_gated(const float *G, const float *U, const float *X, float *Y, int64_t out_f, int64_t in_f,
-                     int64_t M, int nthreads) {
-    (void)G, (void)U, (void)X, (void)in_f, (void)nthreads;
+                     int64_t M, int nthreads, int act) {
+    (void)G, (void)U, (void)X, (void)in_f, (void)nthreads, (void)act;
     i8_fail(Y, M * out_f);
 }
 static void i8_one_block(const float *P, int64_t b, const float *X, int64_t in_f, int R, float *acc) {
@@ -2247,16 +2271,18 @@ def load(path: Path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path))
     vp, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.rows_linear.argtypes = [vp, vp, vp, vp, i64, i64, i64, ctypes.c_int]
-    lib.rows_gated.argtypes = [vp, vp, vp, vp, i64, i64, i64, ctypes.c_int]
+    lib.rows_gated.argtypes = [vp, vp, vp, vp, i64, i64, i64, ctypes.c_int, ctypes.c_int]
     lib.rms_norm.argtypes = [vp, vp, vp, i64, i64, ctypes.c_float]
     lib.rope.argtypes = [vp, vp, vp, i64, i64, i64, i64, i64]
     lib.attend.argtypes = [vp, i64, i64, i64, vp, vp, i64, i64, i64, vp, ctypes.c_int, i64, i64,
                            vp, i64, i64, i64, i64, i64, i64, ctypes.c_float, ctypes.c_int]
-    lib.attention_block.argtypes = [vp, i64, i64, vp, vp, vp, vp, vp, vp, vp, vp, i64, i64, i64, vp, vp, vp, vp, i64,
-                                    i64, vp, ctypes.c_int, i64, ctypes.c_float, vp, vp, ctypes.c_int]
-    lib.decoder_layer.argtypes = [vp, i64, i64, vp, ctypes.c_float, vp, ctypes.c_float, vp, vp, vp, vp, vp, vp, vp, vp,
+    lib.attention_block.argtypes = [vp, i64, i64, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, ctypes.c_float, i64, i64, i64,
+                                    vp, vp, vp, vp, i64, i64, vp, ctypes.c_int, i64, ctypes.c_float, vp, vp,
+                                    ctypes.c_int]
+    lib.decoder_layer.argtypes = [vp, i64, i64, vp, ctypes.c_float, vp, ctypes.c_float, vp, ctypes.c_float, vp,
+                                  ctypes.c_float, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, ctypes.c_float,
                                   i64, i64, i64, vp, vp, vp, vp, i64, i64, vp, ctypes.c_int, i64, ctypes.c_float,
-                                  vp, vp, vp, i64, vp, vp, ctypes.c_int]
+                                  vp, vp, vp, i64, ctypes.c_int, vp, vp, ctypes.c_int]
     lib.decoder_stack.argtypes = [vp, i64, i64, i64, vp, vp, vp, i64, i64, i64, vp, vp, i64, vp, ctypes.c_int, i64,
                                   ctypes.c_float, i64, vp, vp, vp, vp, ctypes.c_int]
     lib.screen_argmax.argtypes = [vp, vp, vp, ctypes.c_double, ctypes.c_double, vp, vp, i64, i64, i64, vp, vp,
@@ -2701,15 +2727,19 @@ def linear_with_grad(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     return _Linear.apply(x, weight, bias)
 
 
-def rows_gated(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+GELU_TANH = 1  # `rows_gated`'s act for GELU's tanh form (Gemma's gelu_pytorch_tanh); 0: SiLU
+
+
+def rows_gated(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, act: int = 0) -> torch.Tensor:
     """`silu(x @ gate.T) * (x @ up.T)` for a few rows x [..., in], the first half of a gated MLP, in one pass over
-    both weights (the caller checked `supports` for both and that x is float32)."""
+    both weights (the caller checked `supports` for both and that x is float32); `act` GELU_TANH for GELU's tanh
+    form instead of SiLU (as g sigmoid(2 sqrt(2 / pi) (g + 0.044715 g^3)), within a few float32 ulps of torch's)."""
     if not x.is_contiguous():
         x = x.contiguous()
     out_f, in_f = gate.shape
     y = x.new_empty(*x.shape[:-1], out_f)
     (_lib or library()).rows_gated(packed(gate), packed(up), x.data_ptr(), y.data_ptr(), out_f, in_f,
-                                   x.numel() // in_f, torch.get_num_threads())
+                                   x.numel() // in_f, torch.get_num_threads(), act)
     return y
 
 
@@ -2888,11 +2918,13 @@ def _scratch(n: int) -> torch.Tensor:
 
 def attention_block(x: torch.Tensor, projs: tuple, heads: int, kv_heads: int, head_dim: int, cos: torch.Tensor,
                     sin: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, past: int,
-                    mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+                    mask: torch.Tensor | None, scale: float, qk_norms: tuple | None = None) -> torch.Tensor:
     """A Llama-style attention module's forward for x [1, M, hidden] in one C call, with the results of
-    `rows_linear`, `rope_` and `attend` bit for bit. projs = (q weight, q bias, k weight, k bias, v weight, v bias,
-    o weight, o bias), biases None or contiguous. The new keys and values are written into the cache buffers
-    k_buf / v_buf [1, kv_heads, capacity >= past + M, head_dim] (contiguous) at positions past .. past + M - 1;
+    `rows_linear`, `rms_norm`, `rope_` and `attend` bit for bit. projs = (q weight, q bias, k weight, k bias, v weight,
+    v bias, o weight, o bias), biases None or contiguous; qk_norms None or (q norm weight, k norm weight, eps): each
+    head's query and key normed before the rotation (Qwen3, Gemma-3). The new keys and values are written into the
+    cache buffers k_buf / v_buf [1, kv_heads, capacity >= past + M, head_dim] (contiguous) at positions
+    past .. past + M - 1;
     mask is None (M = 1) or [1, 1, M, >= past + M] with its last axis contiguous, bool or additive float32;
     cos / sin [1, M, head_dim] contiguous. The caller checked all of it. Returns [1, M, hidden]."""
     m, hid = x.shape[1], x.shape[2]
@@ -2900,19 +2932,21 @@ def attention_block(x: torch.Tensor, projs: tuple, heads: int, kv_heads: int, he
     work = _scratch(m * (2 * heads + 2 * kv_heads) * head_dim)
     kind, mask_sm = _mask_rows(mask)
     (_lib or library()).attention_block(
-        x.data_ptr(), m, hid, *_projection_ptrs(projs), heads, kv_heads, head_dim, cos.data_ptr(), sin.data_ptr(),
-        k_buf.data_ptr(), v_buf.data_ptr(), k_buf.stride(1), past, _ptr(mask), kind, mask_sm, scale,
-        work.data_ptr(), y.data_ptr(), torch.get_num_threads())
+        x.data_ptr(), m, hid, *_projection_ptrs(projs), *_qk_args(qk_norms), heads, kv_heads, head_dim,
+        cos.data_ptr(), sin.data_ptr(), k_buf.data_ptr(), v_buf.data_ptr(), k_buf.stride(1), past, _ptr(mask), kind,
+        mask_sm, scale, work.data_ptr(), y.data_ptr(), torch.get_num_threads())
     return y
 
 
 def decoder_layer(x: torch.Tensor, norms: tuple, projs: tuple, mlp: tuple, heads: int, kv_heads: int,
                   head_dim: int, cos: torch.Tensor, sin: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
-                  past: int, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+                  past: int, mask: torch.Tensor | None, scale: float, qk_norms: tuple | None = None,
+                  out_norms: tuple | None = None, act: int = 0) -> torch.Tensor:
     """A Llama-style decoder layer's forward for x [1, M, hidden] in one C call: `rms_norm`, `attention_block`,
     the residual sum, `rms_norm`, `rows_gated`, `rows_linear`, the residual sum, bit for bit. norms = (input norm
-    weight or None for no input norm, eps, post-attention norm weight, eps); mlp = (gate, up, down weights); the rest
-    as `attention_block`."""
+    weight or None for no input norm, eps, the MLP's input norm weight, eps); mlp = (gate, up, down weights); the
+    rest as `attention_block`. Gemma-3's layers: out_norms = (attention output norm weight, eps, MLP output norm
+    weight, eps), each applied before its residual sum; act = GELU_TANH; qk_norms as `attention_block`'s."""
     m, hid = x.shape[1], x.shape[2]
     inter = mlp[0].shape[0]
     y = x.new_empty(1, m, hid)
@@ -2920,11 +2954,18 @@ def decoder_layer(x: torch.Tensor, norms: tuple, projs: tuple, mlp: tuple, heads
     kind, mask_sm = _mask_rows(mask)
     (_lib or library()).decoder_layer(
         x.data_ptr(), m, hid, _ptr(norms[0]), norms[1], norms[2].data_ptr(), norms[3],
-        *_projection_ptrs(projs), heads, kv_heads, head_dim, cos.data_ptr(), sin.data_ptr(),
+        *((out_norms[0].data_ptr(), out_norms[1], out_norms[2].data_ptr(), out_norms[3]) if out_norms
+          else (None, 0.0, None, 0.0)),
+        *_projection_ptrs(projs), *_qk_args(qk_norms), heads, kv_heads, head_dim, cos.data_ptr(), sin.data_ptr(),
         k_buf.data_ptr(), v_buf.data_ptr(), k_buf.stride(1), past, _ptr(mask), kind, mask_sm, scale,
-        packed(mlp[0]), packed(mlp[1]), packed(mlp[2]), inter, work.data_ptr(), y.data_ptr(),
+        packed(mlp[0]), packed(mlp[1]), packed(mlp[2]), inter, act, work.data_ptr(), y.data_ptr(),
         torch.get_num_threads())
     return y
+
+
+def _qk_args(qk_norms: tuple | None) -> tuple:
+    """The C calls' (q norm address, k norm address, eps) for `qk_norms` (None: no q / k norms)."""
+    return (qk_norms[0].data_ptr(), qk_norms[1].data_ptr(), qk_norms[2]) if qk_norms else (None, None, 0.0)
 
 
 STACK_SLOTS = 15  # addresses per layer in a `decoder_stack` table

@@ -136,9 +136,9 @@ class GreedySteps:
         src = 0
         for (n1, e1, n2, e2, *projs, gate, up, down, inter), (k, v, k_sh) in zip(self.layers, self.kv[2]):
             dst = 2 if src == 1 else 1  # y[1] and y[2] in turn
-            lib.decoder_layer(self.at_y[src], T, H, n1, e1, n2, e2, *projs, self.heads, self.kv_heads, self.head_dim,
-                              cos, sin, k, v, k_sh, start, mask, kind, row_stride, self.scale, gate, up, down, inter,
-                              self.at_work, self.at_y[dst], threads)
+            lib.decoder_layer(self.at_y[src], T, H, n1, e1, n2, e2, None, 0.0, None, 0.0, *projs, None, None, 0.0,
+                              self.heads, self.kv_heads, self.head_dim, cos, sin, k, v, k_sh, start, mask, kind,
+                              row_stride, self.scale, gate, up, down, inter, 0, self.at_work, self.at_y[dst], threads)
             src = dst
         self.last = src
         cache.length = start + T

@@ -317,14 +317,26 @@ def _stock_path(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return not x.is_cpu or x.dtype != torch.float32 or _wants_grad(x, weight)
 
 
+def _norm_weight(norm: nn.Module) -> torch.Tensor:
+    """The scale a patched RMS norm's kernel applies: its weight, or for Gemma's norms (`_fast_offset` 1.0) 1 + weight
+    as their forward makes it, in float32, kept on the module and made again only when the weight changed."""
+    w = norm.weight
+    offset = norm.__dict__.get("_fast_offset", 0.0)
+    if not offset:
+        return w
+    kept = norm.__dict__.get("_fast_scale")
+    if kept is None or kept[0] is not w or kept[1] != (cpukernel.version(w), offset):
+        kept = norm._fast_scale = (w, (cpukernel.version(w), offset), (w + offset).detach())
+    return kept[2]
+
+
 def _norm_kernel(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    # Gemma's norms scale by 1 + weight (`_fast_offset` 1.0), made at each call as their forward makes it
-    offset = self.__dict__.get("_fast_offset", 0.0)
-    return cpukernel.rms_norm(x, self.weight + offset if offset else self.weight, self._fast_eps)
+    return cpukernel.rms_norm(x, _norm_weight(self), self._fast_eps)
 
 
 def _mlp_kernel(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    return self.down_proj(cpukernel.rows_gated(x, self.gate_proj.weight, self.up_proj.weight))
+    gated = cpukernel.rows_gated(x, self.gate_proj.weight, self.up_proj.weight, self.__dict__.get("_fast_act", 0))
+    return self.down_proj(gated)
 
 
 def _fast_norm_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -429,19 +441,29 @@ def _fused_attention(self: nn.Module, x: torch.Tensor, pe, mask, cache) -> torch
         return None
     layer, past = slot
     y = cpukernel.attention_block(x, _projections(self), *self._fused_dims, pe[0], pe[1], layer._k, layer._v, past,
-                                  mask, self.scaling)
+                                  mask, self.scaling, _qk_norms(self))
     layer.filled(past + x.shape[1])
     return y
+
+
+def _qk_norms(attn: nn.Module) -> tuple | None:
+    """`cpukernel.attention_block`'s qk_norms for a planned attention module: None, or its q and k norms' scales
+    and epsilon."""
+    qk = attn._fused_qk
+    return None if qk is None else (_norm_weight(qk[0]), _norm_weight(qk[1]), qk[0]._fast_eps)
 
 
 def _layer_in_one_call(self: nn.Module, x: torch.Tensor, pe, mask, layer: PreallocatedLayer, past: int):
     """`cpukernel.decoder_layer` on a planned decoder layer (`_plan_fused_layer`), writing the new keys and values
     into the cache layer after its `past` positions."""
-    attn, norm1, norm2, gate, up, down = self._fused_parts
+    attn, gate, up, down = self._fused_parts[0], *self._fused_parts[3:]
+    norm1, norm2, out_attn, out_mlp = self._fused_norms
+    out = None if out_attn is None else (_norm_weight(out_attn), out_attn._fast_eps, _norm_weight(out_mlp),
+                                         out_mlp._fast_eps)
     y = cpukernel.decoder_layer(
-        x, (norm1["weight"], self._fused_eps[0], norm2["weight"], self._fused_eps[1]), _projections(attn),
+        x, (_norm_weight(norm1), norm1._fast_eps, _norm_weight(norm2), norm2._fast_eps), _projections(attn),
         (gate["weight"], up["weight"], down["weight"]), *attn._fused_dims, pe[0], pe[1], layer._k, layer._v, past,
-        mask, attn.scaling)
+        mask, attn.scaling, _qk_norms(attn), out, self._fused_act)
     layer.filled(past + x.shape[1])
     return y
 
@@ -528,32 +550,48 @@ def _plan_fused_attention(mod: nn.Module) -> None:
             and all(p.bias is None or (p.bias.dtype == torch.float32 and p.bias.is_contiguous()) for p in projs))
     mod._fused_dims = (heads, kv_heads, d)
     mod._fused_params = tuple(p._parameters for p in projs)
-    fits = fits and "q_norm" not in mod._modules  # the C attention has no q / k norms
+    mod._fused_qk = None
+    if "q_norm" in mod._modules:  # Qwen3's, Gemma-3's: taken in C where both run their kernels with one epsilon
+        qn, kn = mod.q_norm, mod.k_norm
+        eps = qn.__dict__.get("_fast_eps")
+        same = (eps is not None and eps == kn.__dict__.get("_fast_eps") and "_fast_module" in qn.__dict__
+                and "_fast_module" in kn.__dict__)
+        mod._fused_qk, fits = ((qn, kn) if same else None), fits and same
     mod._fused_rows = [fits and 0 < rows <= ATTENTION_ROWS and all(p._fast_by_rows[rows] == "kernel" for p in projs)
                        for rows in range(MAX_ROWS + 1)]
 
 
 LAYER_PARTS = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
-FUSED_ATTRS = ("_fast_eps", "_fused_rows", "_fused_dims", "_fused_params", "_fused_parts", "_fused_eps",
-               "_stack_rows", "_stack_dims", "_stack_table", "_stack_slots", "_rope_table")
+# Gemma-2/3's layers: post_attention_layernorm norms the attention's output, pre_feedforward_layernorm the MLP's
+# input, post_feedforward_layernorm its output
+NORMED_OUTPUT_PARTS = LAYER_PARTS | {"pre_feedforward_layernorm", "post_feedforward_layernorm"}
+FUSED_ATTRS = ("_fast_eps", "_fast_act", "_fast_scale", "_fused_rows", "_fused_dims", "_fused_params", "_fused_qk",
+               "_fused_parts", "_fused_norms", "_fused_act", "_fused_eps", "_stack_rows", "_stack_dims", "_stack_table",
+               "_stack_slots", "_rope_table")
 
 
 def _plan_fused_layer(mod: nn.Module) -> bool:
-    """Whether `mod` looks like a Llama decoder layer whose norms, attention and MLP all run the kernels; if so, keep
-    its parts and, for each row count, whether `_fast_layer_forward` may run it in one call."""
+    """Whether `mod` looks like a Llama decoder layer (or a Gemma-3 one: its attention's and MLP's outputs normed,
+    `NORMED_OUTPUT_PARTS`) whose norms, attention and MLP all run the kernels; if so, keep its parts and, for each
+    row count, whether `_fast_layer_forward` may run it in one call."""
     parts = dict(mod.named_children())
-    if set(parts) != LAYER_PARTS:
+    if set(parts) == LAYER_PARTS:
+        names = ("input_layernorm", "post_attention_layernorm")
+    elif set(parts) == NORMED_OUTPUT_PARTS:
+        names = ("input_layernorm", "pre_feedforward_layernorm", "post_attention_layernorm",
+                 "post_feedforward_layernorm")
+    else:
         return False
-    attn, mlp, norm1, norm2 = (parts[n] for n in ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm"))
-    if not ("_fused_rows" in attn.__dict__ and "q_norm" not in attn._modules
-            and "_fast_eps" in norm1.__dict__ and "_fast_eps" in norm2.__dict__
-            and "_fast_offset" not in norm1.__dict__ and "_fast_offset" not in norm2.__dict__
-            and getattr(mlp.__dict__.get("forward"), "__func__", None) is _fast_mlp_forward
-            and norm1.weight.shape == norm2.weight.shape == (mlp.down_proj.weight.shape[0],)):
+    attn, mlp, norms = parts["self_attn"], parts["mlp"], [parts[n] for n in names]
+    if not ("_fused_rows" in attn.__dict__
+            and all("_fast_eps" in n.__dict__ and n.weight.shape == (mlp.down_proj.weight.shape[0],) for n in norms)
+            and getattr(mlp.__dict__.get("forward"), "__func__", None) is _fast_mlp_forward):
         return False
-    mod._fused_parts = (attn, norm1._parameters, norm2._parameters, mlp.gate_proj._parameters,
+    mod._fused_parts = (attn, norms[0]._parameters, norms[1]._parameters, mlp.gate_proj._parameters,
                         mlp.up_proj._parameters, mlp.down_proj._parameters)
-    mod._fused_eps = (norm1._fast_eps, norm2._fast_eps)
+    mod._fused_norms = (*norms, None, None)[:4]
+    mod._fused_act = mlp.__dict__.get("_fast_act", 0)
+    mod._fused_eps = (norms[0]._fast_eps, norms[1]._fast_eps)
     mod._fused_rows = [attn._fused_rows[rows] and mlp.gate_proj._fast_by_rows[rows] == "kernel"
                        and mlp.down_proj._fast_by_rows[rows] == "kernel" for rows in range(MAX_ROWS + 1)]
     return True
@@ -610,7 +648,7 @@ def _plan_stack(mod: nn.Module) -> bool:
                                                                              nn.Embedding)
             and isinstance(getattr(mod, "norm", None), nn.Module) and isinstance(getattr(mod, "rotary_emb", None),
                                                                                    nn.Module)
-            and all(isinstance(layer.__dict__.get("_fused_rows"), list) for layer in layers)):
+            and all(isinstance(layer.__dict__.get("_fused_rows"), list) and _llama_layer(layer) for layer in layers)):
         return False
     if (getattr(config, "num_hidden_layers", None) != len(layers) or getattr(config, "sliding_window", None)
             or any(t != "full_attention" for t in getattr(config, "layer_types", None) or ())):
@@ -624,6 +662,13 @@ def _plan_stack(mod: nn.Module) -> bool:
     mod._stack_dims = (*dims, gate_shape[0], scale)
     mod._stack_rows = [all(layer._fused_rows[rows] for layer in layers) for rows in range(MAX_ROWS + 1)]
     return True
+
+
+def _llama_layer(layer: nn.Module) -> bool:
+    """Whether a planned layer is Llama's alone (what `decoder_stack`'s table holds): no q / k norms, no normed
+    outputs, no norm scaled by 1 + weight, SiLU."""
+    return (layer._fused_parts[0]._fused_qk is None and layer._fused_norms[2] is None and layer._fused_act == 0
+            and not any("_fast_offset" in n.__dict__ for n in layer._fused_norms[:2]))
 
 
 def _stack_table(mod: nn.Module, cache: DynamicCache) -> tuple:
@@ -784,15 +829,24 @@ def _norm_eps(mod: nn.Module) -> float | None:
     return float(eps) if isinstance(eps, float) else None
 
 
-def _is_gated_mlp(mod: nn.Module) -> bool:
-    """`down_proj(act_fn(gate_proj(x)) * up_proj(x))` with SiLU and bias-free linear layers (Llama, Qwen, Mistral,
-    our heads; `act_fn` may be missing, as in our heads, whose forward applies SiLU itself)."""
+def _gated_mlp_act(mod: nn.Module) -> int | None:
+    """`rows_gated`'s act when `mod` is `down_proj(act_fn(gate_proj(x)) * up_proj(x))` with bias-free linear layers
+    and SiLU (0: Llama, Qwen, Mistral, our heads, whose `act_fn` may be missing as their forward applies SiLU
+    itself) or GELU's tanh form (`cpukernel.GELU_TANH`: Gemma's); else None."""
     parts = [getattr(mod, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
     if not all(isinstance(p, nn.Linear) and p.bias is None and cpukernel.supports(p.weight) for p in parts):
-        return False
+        return None
     act = getattr(mod, "act_fn", None)
+    if act is None:
+        return 0
     t = torch.linspace(-6, 6, 97)
-    return act is None or (isinstance(act, nn.Module) and torch.allclose(act(t), F.silu(t), atol=1e-6))
+    try:
+        y = act(t)
+    except (TypeError, RuntimeError):
+        return None
+    if torch.allclose(y, F.silu(t), atol=1e-6):
+        return 0
+    return cpukernel.GELU_TANH if torch.allclose(y, F.gelu(t, approximate="tanh"), atol=1e-6) else None
 
 
 def _same_as_stock(mod: nn.Module, kernel, width: int) -> bool:
@@ -828,11 +882,11 @@ def _patch_modules(model: nn.Module) -> None:
         if eps is not None and mod.weight.dim() == 1 and cpukernel.supports(mod.weight[None]):
             mod._fast_eps = eps
             fast, kernel, width = _fast_norm_forward, _norm_kernel, mod.weight.shape[0]
-        elif _is_gated_mlp(mod) and "kernel" in mod.gate_proj.__dict__.get("_fast_by_rows", ()):
+        elif (act := _gated_mlp_act(mod)) is not None and "kernel" in mod.gate_proj.__dict__.get("_fast_by_rows", ()):
+            mod._fast_act = act
             fast, kernel, width = _fast_mlp_forward, _mlp_kernel, mod.gate_proj.weight.shape[1]
         elif _is_plain_attention(mod):
             if _attention_same_as_stock(mod):
-                _plan_fused_attention(mod)
                 mod.forward, mod._fast_module = types.MethodType(_fast_attention_forward, mod), True
             continue
         else:
@@ -841,7 +895,11 @@ def _patch_modules(model: nn.Module) -> None:
             mod.forward, mod._fast_module = types.MethodType(fast, mod), True
         else:
             mod.__dict__.pop("_fast_eps", None)
-    for mod in model.modules():  # decoder layers whose parts are all patched (the loop above reached them first)
+            mod.__dict__.pop("_fast_act", None)
+    for mod in model.modules():  # attention modules, once their q / k norms (which come after them) are patched
+        if getattr(mod.__dict__.get("forward"), "__func__", None) is _fast_attention_forward:
+            _plan_fused_attention(mod)
+    for mod in model.modules():  # decoder layers whose parts are all patched (the loops above reached them first)
         if "_fast_module" not in mod.__dict__ and _plan_fused_layer(mod):
             if _layer_same_as_stock(mod):
                 mod.forward, mod._fast_module = types.MethodType(_fast_layer_forward, mod), True

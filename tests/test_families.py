@@ -16,7 +16,7 @@ PROMPT = [5, 6, 7, 8, 9, 10, 11, 5, 6]
 FAMILIES = {
     "llama": (LlamaConfig, {}),
     "qwen2": (Qwen2Config, {}),  # biases on q / k / v
-    "qwen3": (Qwen3Config, {"head_dim": 16}),  # q / k norms inside attention
+    "qwen3": (Qwen3Config, {"head_dim": 32}),  # q / k norms inside attention (32 wide: the norm kernel takes them)
     "mistral": (MistralConfig, {"sliding_window": 5}),  # a window every layer keeps, shorter than the text
     # a `layer_types` in the config that Mistral's model never reads: the window still holds for every layer, and
     # the model gets one mask, not masks by type
@@ -78,3 +78,46 @@ def test_every_family_decodes_as_transformers_greedy(family):
     if family == "gemma3-multimodal":  # stop tokens from the model's config and its text config, each once
         target.model.config.eos_token_id, target.config.eos_token_id = [tiny_tokenizer(96).eos_token_id, 90], 91
         assert sorted(target.eos_ids) == sorted([tiny_tokenizer(96).eos_token_id, 90, 91])
+
+
+@pytest.mark.parametrize("family", ["gemma3", "qwen3"])
+def test_layers_with_qk_norms_run_in_one_call_with_their_parts_bits(family):
+    """Gemma-3's decoder layers (four norms of 1 + weight, two of them on the attention's and the MLP's outputs, q / k
+    norms, GELU) and Qwen3's (q / k norms) run in one C call each on a tree-masked pass, and their attention modules
+    in one call without them: exactly the numbers of their parts."""
+    from tests.test_attention import _verify_logits
+    from torch import nn
+
+    from eagle import cpukernel
+    from eagle.attention import use_gqa_sdpa
+    from eagle.fastlinear import BUCKETS, Plan, disable_fast_linear, enable_fast_linear
+
+    target = tiny_family(family)
+    plan = Plan(layouts={f"{m.weight.shape[0]}x{m.weight.shape[1]}": {b: "kernel" for b in BUCKETS}
+                         for m in target.model.modules() if isinstance(m, nn.Linear)})
+    use_gqa_sdpa(target.model, True)
+    enable_fast_linear(target.model, plan)
+    layers = list(target.base.layers)
+    assert all("_fast_module" in m.__dict__ for layer in layers for m in (layer, layer.self_attn, layer.mlp))
+    assert layers[0].mlp._fast_act == (cpukernel.GELU_TANH if family == "gemma3" else 0)
+    assert "_fast_module" not in target.base.__dict__  # not all layers in one call: its table has no q / k norms
+    g = torch.Generator().manual_seed(5)
+    prefix, nodes = torch.randint(4, 90, (1, 9), generator=g), torch.randint(4, 90, (1, 6), generator=g)
+    parents = torch.tensor([-1, 0, 0, 1, 2, 4])
+    calls, one_call = [], cpukernel.decoder_layer
+    with torch.no_grad():
+        cpukernel.decoder_layer = lambda x, *a, **k: calls.append(x.shape[1]) or one_call(x, *a, **k)
+        try:
+            one_call_layers = _verify_logits(target, prefix, nodes, parents)
+        finally:
+            cpukernel.decoder_layer = one_call
+        assert calls == [6, 6]  # the tree pass; the prefill's causal mask is sdpa's is_causal: the layers' parts
+        for layer in layers:
+            del layer.forward, layer._fast_module
+        fused_attention = _verify_logits(target, prefix, nodes, parents)
+        for layer in layers:
+            del layer.self_attn.forward, layer.self_attn._fast_module
+        parts = _verify_logits(target, prefix, nodes, parents)
+    assert torch.equal(one_call_layers, parts) and torch.equal(fused_attention, parts)
+    disable_fast_linear(target.model)
+    use_gqa_sdpa(target.model, False)

@@ -155,6 +155,10 @@ def _byte_products_keep_each_rows_bits(monkeypatch, make, in_f: int, in_g: int) 
         assert ((got.double() - want).abs().max() / want.abs().max()).item() < 2e-6
     for r in (5, 11, 12):
         assert ((whole[0][r].double() - exact[r]).abs().max() / exact[r].abs().max()).item() < 2e-6
+    gelu = cpukernel.rows_gated(xg, gate, up, cpukernel.GELU_TANH)  # Gemma's activation, as g sigmoid(2 z)
+    exact_gelu = (torch.nn.functional.gelu(xg.double() @ gate.double().T, approximate="tanh")
+                  * (xg.double() @ up.double().T))
+    assert ((gelu.double() - exact_gelu).abs().max() / exact_gelu.abs().max()).item() < 2e-6
     for lo, hi in ((0, 1), (7, 8), (0, 2), (4, 7), (5, 21), (1, 64)):
         part = [cpukernel.rows_linear(x[lo:hi], w, b), cpukernel.rows_gated(xg[lo:hi], gate, up)]
         assert all(torch.equal(a, c[lo:hi]) for a, c in zip(part, whole))
