@@ -18,14 +18,16 @@
   `VNNI`, `EAGLE_NO_VNNI=1` keeps the FMA path): each input split exactly enough into three bytes a value for float32
   accuracy, the integer sums exact. Decoding the codes to float32 had bound the FMA path by arithmetic on Zen 4: a
   SmolLM2 pass of 1-16 tokens 1.17-1.35x faster (BENCHMARKS.md, thirty-seventh session).
-- `rows_gated`: a gated MLP's `silu(x @ G.T) * (x @ U.T)` in one pass over both weights.
+- `rows_gated`: a gated MLP's `silu(x @ G.T) * (x @ U.T)` in one pass over both weights (or GELU's tanh form,
+  Gemma's, for silu).
 - `rms_norm`: an RMS norm of each row in one call (the stock module is eight small torch ops).
 - `attend`: attention of a few query rows over the KV cache, grouped-query heads read in place.
 - `rope_`: the rotary embedding in place.
-- `attention_block` and `decoder_layer`: a whole Llama-style attention module (products, rotary embedding, cache
-  write, attention) or decoder layer (norms, attention, gated MLP, residual sums) in one call, made of the
-  functions above: on this CPU each Python-level step around a C call costs microseconds, and these calls took
-  about a quarter off a one-token pass (BENCHMARKS.md).
+- `attention_block` and `decoder_layer`: a whole Llama-style attention module (products, q / k norms if any,
+  rotary embedding, cache write, attention) or decoder layer (norms, attention, gated MLP, residual sums; Gemma-3's
+  norms of the attention's and the MLP's outputs) in one call, made of the functions above: on this CPU each
+  Python-level step around a C call costs microseconds, and these calls took about a quarter off a one-token pass
+  (BENCHMARKS.md).
 - `screen_argmax`: the argmax of `rows_linear`'s logits, bit for bit, for greedy tokens: the weight read in int8
   (`screen_tables`), a proven bound per output on how far the int8 estimate can lie from the float32 logit, and
   float32 sums only for the outputs whose bound reaches the largest lower bound (a few of SmolLM2's 49,152).
