@@ -22,7 +22,7 @@ from eagle import load_target
 
 def rounded_rows(w: torch.Tensor, bits: int) -> torch.Tensor:
     k = 2 ** (bits - 1) - 1
-    s = w.abs().amax(1, keepdim=True) / k
+    s = (w.abs().amax(1, keepdim=True) / k).clamp(min=1e-30)  # an all-zero row stays zero
     return (w / s).round().clamp(-k, k) * s
 
 
@@ -30,10 +30,10 @@ def rounded_groups(w: torch.Tensor, bits: int, with_min: bool, group: int = 32) 
     g = w.reshape(w.shape[0], -1, group)
     if with_min:
         lo, hi = g.amin(2, keepdim=True), g.amax(2, keepdim=True)
-        s = (hi - lo) / (2 ** bits - 1)
+        s = ((hi - lo) / (2 ** bits - 1)).clamp(min=1e-30)
         return (((g - lo) / s).round() * s + lo).reshape(w.shape)
     k = 2 ** (bits - 1) - 1
-    s = g.abs().amax(2, keepdim=True) / k
+    s = (g.abs().amax(2, keepdim=True) / k).clamp(min=1e-30)
     return ((g / s).round().clamp(-k, k) * s).reshape(w.shape)
 
 

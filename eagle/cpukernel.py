@@ -525,9 +525,9 @@ static int vq_prepare(const float *X, int64_t M, int64_t in_f, vq_rows *a) {
         for (int h = 0; h < 2; h++) {
             const __m512 y = f == 0.0f ? zero : _mm512_mul_ps(h ? x1 : x0, _mm512_set1_ps(inv));
             __m512 hi = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-            __m512 r1 = _mm512_mul_ps(_mm512_sub_ps(y, hi), k256);  /* [0, 256], exact but where y > -2^-25 ... */
-            /* ... is negative: y - hi = y + 1 rounds to 1 there, so carry (x = s (hi + 1), off by < 2^-25 s);
-               else mid would be 256, whose byte is 0, and x off by s */
+            __m512 r1 = _mm512_mul_ps(_mm512_sub_ps(y, hi), k256);  /* [0, 256]: y - hi rounds only for y in ... */
+            /* ... (-1, 0), by at most 2^-25, and to 1 for y >= -2^-25: carry there (x = s (hi + 1), off by at most
+               2^-25 s); else mid would be 256, whose byte is 0, and x off by s */
             const __mmask16 carry = _mm512_cmp_ps_mask(r1, k256, _CMP_GE_OQ);
             hi = _mm512_mask_add_ps(hi, carry, hi, _mm512_set1_ps(1.0f));
             r1 = _mm512_mask_mov_ps(r1, carry, zero);
