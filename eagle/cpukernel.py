@@ -2375,7 +2375,7 @@ def version(t: torch.Tensor) -> int:
         return -1
 
 
-def _kept(weight: torch.Tensor, name: str, make, *key):
+def kept(weight: torch.Tensor, name: str, make, *key):
     """`make(weight)`, made on first use and kept on the tensor itself under `name` until the weight changes in
     place (an optimizer step) or moves, or `key` changes."""
     full = (version(weight), weight.data_ptr(), *key)
@@ -2650,18 +2650,18 @@ def packed(weight: torch.Tensor) -> int:
     (`pack_i8`, tag 4) or bfloat16 (`pack_bf16`, tag 3) instead where `in_draft_precision` says so. The answer is
     kept on the weight with every setting it depends on, so a decoding step's ~100 calls cost a dictionary lookup
     each."""
-    return _kept(weight, "_eagle_address", _packed_address, Q4_1, AMX, VNNI, LOW_PRECISION_DRAFTS, INT8_DRAFTS,
+    return kept(weight, "_eagle_address", _packed_address, Q4_1, AMX, VNNI, LOW_PRECISION_DRAFTS, INT8_DRAFTS,
                  torch.is_grad_enabled())
 
 
 def _packed_address(weight: torch.Tensor) -> int:
     if in_draft_precision(weight):
         if INT8_DRAFTS and (_lib or library()).int8_products():
-            return _kept(weight, "_eagle_packed_i8", _pack_i8)[1]
-        return _kept(weight, "_eagle_packed_bf16", _pack_bf16)[1]
+            return kept(weight, "_eagle_packed_i8", _pack_i8)[1]
+        return kept(weight, "_eagle_packed_bf16", _pack_bf16)[1]
     amx = amx_on()
     name = ("_eagle_packed_amx" if amx else "_eagle_packed_q4") if Q4_1 else "_eagle_packed"
-    address = _kept(weight, name, _pack_any, Q4_1, amx)[1]
+    address = kept(weight, name, _pack_any, Q4_1, amx)[1]
     # bit 3: byte products; not for a weight the greedy screen reads, whose argmax is the float32 products' bit for
     # bit (the lm_head: its logits and greedy tokens agree)
     if address & 7 in (1, 5, 6) and "_eagle_screened" not in weight.__dict__ and vnni_on():
@@ -2671,7 +2671,8 @@ def _packed_address(weight: torch.Tensor) -> int:
 
 
 def unpack(weight: torch.Tensor) -> None:
-    """Drop the copies the kernels keep on `weight` (`packed`, `screen_tables`), and their memory."""
+    """Drop the copies the kernels keep on `weight` (`packed`, `screen_tables`, a norm's 1 + weight), and their
+    memory."""
     weight.__dict__.pop("_eagle_packed", None)
     weight.__dict__.pop("_eagle_packed_q4", None)
     weight.__dict__.pop("_eagle_packed_amx", None)
@@ -2681,6 +2682,7 @@ def unpack(weight: torch.Tensor) -> None:
     weight.__dict__.pop("_eagle_screen_few", None)
     weight.__dict__.pop("_eagle_screened", None)
     weight.__dict__.pop("_eagle_address", None)
+    weight.__dict__.pop("_eagle_plus_offset", None)
 
 
 def rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -2762,7 +2764,7 @@ def screen_tables(weight: torch.Tensor, rows: int = 16
     lib = _lib or library()
     tiles = bool(lib.screen_tiles()) and amx_on()
     form = "tiles" if tiles and rows >= SCREEN_TILE_ROWS else "pairs" if lib.screen_pairs() else "rows"
-    return _kept(weight, "_eagle_screen_few" if tiles and form != "tiles" else "_eagle_screen",
+    return kept(weight, "_eagle_screen_few" if tiles and form != "tiles" else "_eagle_screen",
                  lambda w: _screened(w, form), form)
 
 

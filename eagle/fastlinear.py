@@ -319,15 +319,10 @@ def _stock_path(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 def _norm_weight(norm: nn.Module) -> torch.Tensor:
     """The scale a patched RMS norm's kernel applies: its weight, or for Gemma's norms (`_fast_offset` 1.0) 1 + weight
-    as their forward makes it, in float32, kept on the module and made again only when the weight changed."""
+    as their forward makes it, in float32, kept on the weight as the packed copies are (`cpukernel.kept`)."""
     w = norm._parameters["weight"]  # not the module attribute: ~3-5 us a read here, six a Gemma layer a pass
     offset = norm.__dict__.get("_fast_offset", 0.0)
-    if not offset:
-        return w
-    kept = norm.__dict__.get("_fast_scale")
-    if kept is None or kept[0] is not w or kept[1] != (cpukernel.version(w), offset):
-        kept = norm._fast_scale = (w, (cpukernel.version(w), offset), (w + offset).detach())
-    return kept[2]
+    return cpukernel.kept(w, "_eagle_plus_offset", lambda t: (t + offset).detach(), offset) if offset else w
 
 
 def _norm_kernel(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -566,8 +561,8 @@ LAYER_PARTS = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"
 # Gemma-2/3's layers: post_attention_layernorm norms the attention's output, pre_feedforward_layernorm the MLP's
 # input, post_feedforward_layernorm its output
 NORMED_OUTPUT_PARTS = LAYER_PARTS | {"pre_feedforward_layernorm", "post_feedforward_layernorm"}
-FUSED_ATTRS = ("_fast_eps", "_fast_act", "_fast_scale", "_fused_rows", "_fused_dims", "_fused_params", "_fused_qk",
-               "_fused_parts", "_fused_norms", "_fused_act", "_fused_eps", "_stack_rows", "_stack_dims", "_stack_table",
+FUSED_ATTRS = ("_fast_eps", "_fast_act", "_fused_rows", "_fused_dims", "_fused_params", "_fused_qk",
+               "_fused_parts", "_fused_norms", "_fused_act", "_stack_rows", "_stack_dims", "_stack_table",
                "_stack_slots", "_rope_table")
 
 
@@ -592,7 +587,6 @@ def _plan_fused_layer(mod: nn.Module) -> bool:
                         mlp.up_proj._parameters, mlp.down_proj._parameters)
     mod._fused_norms = (*norms, None, None)[:4]
     mod._fused_act = mlp.__dict__.get("_fast_act", 0)
-    mod._fused_eps = (norms[0]._fast_eps, norms[1]._fast_eps)
     mod._fused_rows = [attn._fused_rows[rows] and mlp.gate_proj._fast_by_rows[rows] == "kernel"
                        and mlp.down_proj._fast_by_rows[rows] == "kernel" for rows in range(MAX_ROWS + 1)]
     return True
@@ -694,7 +688,8 @@ def _stack_table(mod: nn.Module, cache: DynamicCache) -> tuple:
             attn, norm1, norm2, gate, up, down = layer._fused_parts
             rows.append(cpukernel.stack_weights(norm1["weight"], norm2["weight"], _projections(attn),
                                                 (gate["weight"], up["weight"], down["weight"])))
-        eps = torch.tensor([layer._fused_eps for layer in mod.layers], dtype=torch.float32)
+        eps = torch.tensor([[n._fast_eps for n in layer._fused_norms[:2]] for layer in mod.layers],
+                           dtype=torch.float32)
         kept = mod._stack_table = (key, rows, eps, None, None)
     key, rows, eps, made_for, tables = kept
     if made_for != buffers:  # the cache's buffers moved (a new cache, or one grown): their addresses again
@@ -955,6 +950,8 @@ def disable_fast_linear(model: nn.Module) -> None:
         if "_fast_module" in mod.__dict__:
             del mod.forward, mod._fast_module
             _unplan(mod)
+            if isinstance(mod._parameters.get("weight"), torch.Tensor):
+                cpukernel.unpack(mod.weight)  # a norm's 1 + weight
     for mod in _linears(model):
         if "forward" in mod.__dict__:
             del mod.forward

@@ -469,8 +469,8 @@ class LookupProposer:
             self.index = NgramIndex(cfg.prompt_lookup_min, cfg.prompt_lookup_max)
         committed = tokens[0].tolist()
         self.index.extend(committed)
-        m = cfg.prompt_lookup_num_tokens
-        if cfg.prompt_lookup_adaptive:
+        m, adaptive = cfg.prompt_lookup_num_tokens, cfg.prompt_lookup_adaptive
+        if adaptive:
             # the tokens committed since the last round, but for the target's own last one, are the drafts it took:
             # whole when one of the lookups is a prefix of them
             taken = any(seq == committed[:len(seq)] and len(committed) > len(seq) for seq in self._last)
@@ -478,8 +478,7 @@ class LookupProposer:
             self.length = n if not self._last else min(m, n + 2) if taken else max(1, n - 1)
             m = self.length
         chain = self.index.draft(m)
-        adaptive = cfg.prompt_lookup_adaptive  # only then are this round's lookups kept for the next
-        self._last = [chain] if chain and adaptive else []
+        self._last = [chain] if chain and adaptive else []  # kept for the next round only when adaptive
         if self.inner is None:
             return Draft.chain(tokens[0, -1], torch.tensor(chain, dtype=torch.long, device=tokens.device))
         draft = merge_chain(self.inner.propose(feats, tokens, cfg, generator), chain, shapes=self._shapes)
