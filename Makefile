@@ -35,7 +35,8 @@ $(STAMP): pyproject.toml Makefile
 
 setup: $(STAMP)
 
-# The whole path on the embedded default: regenerate + prep, train, evaluate on held-out ShareGPT prompts.
+# The whole path on the embedded default: regenerate + prep, train, evaluate on held-out ShareGPT prompts. The first
+# evaluation also decodes every prompt with stock transformers (`--reference hf`): lossless_vs_reference.
 demo: setup
 	$(BIN)/eagle prep --target smollm2-135m --data sharegpt --out $(DEMO)/data --max-rows $(DEMO_ROWS) \
 		--regenerate --max-turns 1 --max-new-tokens 128 --max-length 448 --regen-batch-size 128 \
@@ -43,7 +44,7 @@ demo: setup
 	$(BIN)/eagle train --config configs/smollm2-135m-eagle1.yaml data.prepared=$(DEMO)/data \
 		run_dir=$(DEMO)/train out=$(DEMO)/head budget.minutes=$(DEMO_MINUTES)
 	$(BIN)/eagle eval --target smollm2-135m --draft $(DEMO)/head --data $(DEMO)/data/val_conversations.jsonl \
-		--num-prompts 16 --max-new-tokens 128 --mode chain --num-speculative-tokens 3 --out $(DEMO)/eval
+		--num-prompts 16 --max-new-tokens 128 --mode chain --num-speculative-tokens 3 --reference hf --out $(DEMO)/eval
 	# the same prompts with the setting `eagle bench` names fastest on this CPU kind: one drafted token and a
 	# prompt-lookup branch of 5 merged into the tree (BENCHMARKS.md, thirtieth session)
 	$(BIN)/eagle eval --target smollm2-135m --draft $(DEMO)/head --data $(DEMO)/data/val_conversations.jsonl \

@@ -96,9 +96,16 @@ def cmd_bench(args) -> None:
 
 
 def cmd_export(args) -> None:
+    from pathlib import Path
+
     from eagle import EagleHead
+    from eagle.checkpoint import check_head_dir
     from eagle.interop import export_published
 
+    if Path(args.out).resolve() == Path(args.draft).resolve():
+        raise ValueError(f"--out {args.out!r} is the --draft directory: name a new one (the published layout would "
+                         "replace the head, and may not hold all of it)")
+    check_head_dir(args.out, "--out ")  # a directory that holds anything but a head is never replaced
     head = EagleHead.from_pretrained(args.draft)
     for note in export_published(head, args.out):
         print(f"note: {note}")

@@ -152,6 +152,10 @@ def _check_config(cfg: PrepConfig) -> None:
     if cfg.regenerate and cfg.max_length <= cfg.max_new_tokens:
         raise DataError(f"max_length {cfg.max_length} leaves no room for a prompt with "
                         f"max_new_tokens {cfg.max_new_tokens}")
+    out = Path(cfg.out)
+    blocker = next((p for p in (out, *out.parents) if p.exists()), None)  # the nearest part of the path there is
+    if blocker is not None and not blocker.is_dir():
+        raise DataError(f"out {cfg.out!r}: {str(blocker)!r} is a file, not a directory")
 
 
 def prepare(cfg: PrepConfig, target=None) -> PrepSummary:

@@ -28,8 +28,9 @@ what the layer's own forward does; an attention module alone likewise (`cpukerne
 (`cpukernel.decoder_stack`) for such passes, after a check that this gives its own forward's numbers bit for bit:
 the Python around 30 layer calls was ~4-5 ms of a ~32 ms SmolLM2 pass (BENCHMARKS.md).
 
-The plan is cached per machine, thread count, torch version, set of shapes and available layouts under
-`$EAGLE_CACHE/fastlinear/`.
+The plan is cached per machine, thread count, torch version, set of shapes, available layouts and kernel path
+(`cpukernel.path_key`: the build and the `EAGLE_NO_*` switches) under `$EAGLE_CACHE/fastlinear/`;
+`EAGLE_RECALIBRATE=1` measures it again. A plan changes speed only: every layout gives the target's tokens.
 With gradients enabled (training a head) a patched linear layer's products, forward and backward, run through the
 packed kernel too (`train_linear`), or through `F.linear` where `plan_training` measured that faster; norms,
 attention and MLPs keep their stock forwards there. On other devices the stock forward runs. Above `MAX_ROWS`
@@ -204,9 +205,10 @@ def _time_sweep(mods: list[nn.Linear], rows: int, repeats: int) -> dict[str, flo
 
 def _plan_path(model: nn.Module, how: str) -> str:
     shapes = sorted({_shape_key(m.weight) + str(m.weight.dtype) for m in _linears(model)})
-    kernel = cpukernel.library_key() if cpukernel.available() else None  # a changed kernel re-plans
+    # a changed kernel, or a switch that routes products through other code (EAGLE_NO_AMX, ...), plans anew
     ident = json.dumps([platform.processor() or platform.machine(), _cpu_name(), torch.get_num_threads(),
-                        torch.__version__, shapes, how, available_layouts(), kernel, BUCKETS, KERNEL_MARGIN])
+                        torch.__version__, shapes, how, available_layouts(), cpukernel.path_key(), BUCKETS,
+                        KERNEL_MARGIN])
     return str(cache_root() / "fastlinear" / f"{hashlib.sha1(ident.encode()).hexdigest()[:16]}.json")
 
 
@@ -257,8 +259,9 @@ def load_or_calibrate(model: nn.Module, run: Callable[[int], float] | None = Non
 
 
 def _cached_json(path: str, make: Callable[[], dict]) -> dict:
-    """The JSON object cached at `path`, or `make()`'s, written there whole (temp file + rename) for next time."""
-    if os.path.exists(path):
+    """The JSON object cached at `path`, or `make()`'s, written there whole (temp file + rename) for next time.
+    EAGLE_RECALIBRATE=1 measures again whatever is cached."""
+    if os.path.exists(path) and not os.environ.get("EAGLE_RECALIBRATE"):
         with open(path) as f:
             return json.load(f)
     obj = make()
@@ -668,11 +671,11 @@ def _llama_layer(layer: nn.Module) -> bool:
 
 def _stack_table(mod: nn.Module, cache: DynamicCache) -> tuple:
     """(addresses [L, STACK_SLOTS], epsilons [L, 2], key strides [L]) for `cpukernel.decoder_stack`: the weights'
-    part made again only when a weight changed in place or moved, or the Q4_1, AMX or VNNI switch changed (as
-    `cpukernel.packed` would), the caches' part when their buffers moved. The weights are read once per cache (a
-    cache belongs to one set of weights): later passes with the same cache reuse the table while no buffer was made
-    since."""
-    switches = (cpukernel.Q4_1, cpukernel.amx_on(), cpukernel.VNNI)
+    part made again only when a weight changed in place or moved, or the kernel library or the Q4_1, AMX or VNNI
+    switch changed (as `cpukernel.packed` would), the caches' part when their buffers moved. The weights are read
+    once per cache (a cache belongs to one set of weights): later passes with the same cache reuse the table while no
+    buffer was made since."""
+    switches = (id(cpukernel._lib), cpukernel.Q4_1, cpukernel.amx_on(), cpukernel.VNNI)
     kept = mod.__dict__.get("_stack_table")
     mark = cache.__dict__.get("_stack_mark")
     if mark is not None and mark[0] is kept and mark[1:] == (PreallocatedLayer.buffers_made, switches):

@@ -1,6 +1,6 @@
 """The target-feature files kept next to prepared rows, so a feature pass over the same rows runs once.
 
-    path = features_path(prepared_dir, "train", target)          # named by split, tokenizer and hidden size
+    path = features_path(prepared_dir, "train", target)          # named by split, target identity and hidden size
     save_features(path, feats)                                   # list of [T_i, D] tensors, one per row
     feats = load_features(path, lengths)                         # None unless the file matches those row lengths
 
@@ -8,7 +8,7 @@ Prep writes them when regeneration computed the features already; training write
 Features may be kept in 16 bits (`dtype`, named in the file name): an EAGLE-3 head's (the last hidden state and
 three fused layers) over 2M SmolLM2 tokens take 19 GB in float32, 9.6 GB in bfloat16. Rows that are consecutive
 views of one flat tensor (`flat_rows`) are written without a copy. A file is written whole (temp file + rename) and
-trusted only if its row lengths match.
+trusted only if its row lengths match (an unreadable one is computed again).
 """
 
 from __future__ import annotations
@@ -23,10 +23,12 @@ DTYPES = ("float32", "bfloat16", "float16")
 
 def features_path(prepared: str | Path, split: str, target, layers: list[int] | None = None,
                   dtype: torch.dtype = torch.float32) -> Path:
-    """`prepared/features-{split}-{tokenizer fingerprint}-{hidden size}[-layers...][-dtype].safetensors`."""
+    """`prepared/features-{split}-{target identity}-{hidden size}[-layers...][-dtype].safetensors`: the identity
+    hashes the target's tokenizer and weights (`TargetModel.identity`), so a fine-tune of the same base computes
+    its own."""
     key = "" if not layers else "-layers" + "_".join(str(i) for i in layers)
     key += "" if dtype == torch.float32 else "-" + str(dtype).removeprefix("torch.")
-    return Path(prepared) / f"features-{split}-{target.fingerprint}-{target.hidden_size}{key}.safetensors"
+    return Path(prepared) / f"features-{split}-{target.identity}-{target.hidden_size}{key}.safetensors"
 
 
 def flat_rows(lengths: list[int], dim: int, dtype: torch.dtype) -> list[torch.Tensor]:
@@ -53,18 +55,26 @@ def save_features(path: Path, feats: list[torch.Tensor]) -> None:
     lengths = torch.tensor([f.shape[0] for f in feats])
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
     save_file({"features": _flat(feats), "lengths": lengths}, str(tmp))
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())  # on the disk before the rename makes it the file
     os.replace(tmp, path)
 
 
 def load_features(path: Path, lengths: list[int], dtype: torch.dtype | None = None) -> list[torch.Tensor] | None:
     """The rows of a feature file (converted to `dtype` if given), or None when it is missing or was made for rows
     of other lengths."""
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     if not path.exists():
         return None
-    data = load_file(str(path))
-    if not torch.equal(data["lengths"], torch.tensor(lengths)):
+    try:
+        data = load_file(str(path))
+    except SafetensorError as e:
+        print(f"note: feature cache {str(path)!r} is not a readable safetensors file ({str(e).splitlines()[0]}); "
+              "computing the features again")
+        return None
+    if set(data) != {"features", "lengths"} or not torch.equal(data["lengths"], torch.tensor(lengths)):
         return None
     flat = data["features"] if dtype is None else data["features"].to(dtype)
     return list(torch.split(flat, lengths))

@@ -20,9 +20,7 @@ import warnings
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
-
-from eagle.checkpoint import CheckpointError, write_head_dir
+from eagle.checkpoint import CheckpointError, read_weights, write_head_dir
 from eagle.head import EagleHead, HeadConfig, eagle3_layers
 
 IGNORED = ("embed_tokens.", "rotary_emb.")  # shared with the target, or recomputed
@@ -35,7 +33,7 @@ def is_published(raw: dict) -> bool:
 
 def _read_weights(path: Path) -> dict[str, torch.Tensor]:
     if (path / "model.safetensors").exists():
-        return load_file(str(path / "model.safetensors"))
+        return read_weights(path)
     if (path / "pytorch_model.bin").exists():
         try:
             return torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True)
@@ -103,7 +101,8 @@ def read_published(path, raw: dict, target=None) -> tuple[HeadConfig, dict[str, 
 
 def export_published(head: EagleHead, out) -> list[str]:
     """Write `head` into directory `out` in the published layout of its kind (config.json + model.safetensors),
-    whole or not at all. Returns notes on what the layout cannot hold."""
+    whole or not at all; an `out` holding anything but a head is refused (`eagle.checkpoint.check_head_dir`).
+    Returns notes on what the layout cannot hold."""
     c, notes = head.config, []
     state = {k: (v.float() if v.is_floating_point() else v).detach().contiguous().cpu()
              for k, v in head.trainable_state_dict().items()}
@@ -142,9 +141,5 @@ def export_published(head: EagleHead, out) -> list[str]:
         if c.fc_bias:
             notes.append("the fc has a bias (config `bias: true`, as the published EAGLE-1 heads); check that your "
                          "server's EAGLE-1 loader reads fc.bias")
-    out = Path(out)
-    if out.exists() and any(out.iterdir()) and not (out / "config.json").exists():
-        raise CheckpointError(f"export to {str(out)!r}: the directory exists and is not a head directory; "
-                              "name a new one")
-    write_head_dir(out, raw, out_state)
+    write_head_dir(out, raw, out_state)  # refuses an `out` that holds anything but a head
     return notes

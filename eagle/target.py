@@ -112,6 +112,8 @@ def resolve_target(name: str) -> Path | str:
         return p
     if name.endswith(".gguf"):
         raise TargetError(f"target {name!r}: no such .gguf file")
+    if name.startswith(("/", "./", "../", "~")):  # a path, never a hub id
+        raise TargetError(f"target {name!r}: no such file or directory")
     return name
 
 
@@ -207,6 +209,22 @@ class TargetModel:
     @property
     def device(self) -> torch.device:
         return self.lm_head.weight.device
+
+    @property
+    def identity(self) -> str:
+        """A short hash of the tokenizer (`fingerprint`) and the weights: every parameter's name, shape, dtype and
+        1,024 of its values, evenly spaced. A fine-tune of the same base changes it, so files computed from one
+        target's activations (cached features) are not reused for another. Computed once."""
+        if "_identity" not in self.__dict__:
+            h = hashlib.sha256(self.fingerprint.encode())
+            with torch.no_grad():
+                for name, p in self.model.named_parameters():
+                    flat = p.detach().reshape(-1)
+                    sample = flat[:: max(1, flat.numel() // 1024)][:1024].float().cpu()
+                    h.update(f"{name}|{tuple(p.shape)}|{p.dtype}|".encode())
+                    h.update(sample.numpy().tobytes())
+            self._identity = h.hexdigest()[:16]
+        return self._identity
 
     @property
     def dtype(self) -> torch.dtype:
@@ -390,7 +408,8 @@ def load_target(name: str, device: str | torch.device = "cpu", dtype: torch.dtyp
         tok = AutoTokenizer.from_pretrained(src)
         model = AutoModelForCausalLM.from_pretrained(src, dtype=dtype, attn_implementation=attn_implementation)
     except OSError as e:
-        raise TargetError(f"target {name!r} could not be loaded: {str(e).splitlines()[0]}") from None
+        where = "" if isinstance(src, Path) else "no such local path, and as a hub id: "
+        raise TargetError(f"target {name!r} could not be loaded: {where}{str(e).splitlines()[0]}") from None
     model.to(device).eval().requires_grad_(False)
     if src is not gguf and torch.device(device).type == "cpu" and dtype == torch.float32:
         try:  # K-quant tensors' codes, for the CPU kernels (eagle.gguf_codes); without them, float32 copies

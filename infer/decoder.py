@@ -17,7 +17,9 @@ from __future__ import annotations
 import copy
 import dataclasses
 import time
+import warnings
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -28,7 +30,7 @@ from eagle.attention import use_gqa_sdpa
 from eagle.fastlinear import disable_fast_linear, enable_fast_linear, fast_linear_enabled
 from infer import tree
 from infer.cache import TargetCache
-from infer.proposer import Draft, EagleProposer, LookupProposer, ModelProposer
+from infer.proposer import Draft, EagleProposer, LookupProposer, ModelProposer, load_choices
 from infer.sampling import accept_greedy, accept_sampled, greedy_tokens, process, sample, screen_fits
 
 
@@ -61,7 +63,8 @@ class DecodeConfig:
     sampling_top_k: int = 0  # top-k filter of the sampling distribution (0: off); `top_k` shapes the tree
     seed: int | None = None  # sampling without a generator: seeds one (None: the global RNG)
     stop: list[str] = field(default_factory=list)  # stop strings: the output ends with the first one
-    # chat template for string prompts ("auto": the target's own when it has one, else the raw text)
+    # chat template for string prompts: "auto" (the target's own; a target without one gets the raw text, said once),
+    # "none" (the raw text), a file holding a Jinja template, or the template itself (a string with {{ or {%)
     chat_template: str = "auto"
     # the fast path: on CPU, the target's and the head's linear layers run through the measured matmul layouts
     # (eagle.fastlinear); on any device, tree-masked passes keep grouped key/value heads packed (eagle.attention)
@@ -102,12 +105,21 @@ class GenerateOutput:
 def check_config(c: DecodeConfig) -> None:
     """One-line errors for decoding settings that cannot work."""
     problems = []
+    if c.max_new_tokens < 1:
+        problems.append(f"max_new_tokens {c.max_new_tokens} must be at least 1")
     if c.mode not in ("chain", "static", "dynamic"):
         problems.append(f"mode {c.mode!r} is not chain, static or dynamic")
     if c.mode == "chain" and c.num_speculative_tokens < 1:
         problems.append(f"num_speculative_tokens {c.num_speculative_tokens} must be at least 1")
     if c.mode == "static" and not c.tree:
         problems.append("mode static needs a tree (a JSON list of choice paths, or a file holding one)")
+    elif c.mode == "static":
+        try:
+            load_choices(c.tree)
+        except OSError as e:
+            problems.append(f"tree {c.tree!r}: cannot read it ({e.strerror or e})")
+        except ValueError as e:
+            problems.append(str(e))
     if c.mode == "dynamic" and (c.top_k < 1 or c.depth < 1 or c.total_tokens < 2):
         problems.append(f"dynamic tree needs top_k >= 1, depth >= 1, total_tokens >= 2 "
                         f"(got {c.top_k}, {c.depth}, {c.total_tokens})")
@@ -120,8 +132,34 @@ def check_config(c: DecodeConfig) -> None:
     if c.temperature < 0 or not 0 < c.top_p <= 1 or c.sampling_top_k < 0:
         problems.append(f"sampling needs temperature >= 0, 0 < top_p <= 1, sampling_top_k >= 0 "
                         f"(got {c.temperature}, {c.top_p}, {c.sampling_top_k})")
+    try:
+        chat_template_text(c.chat_template)
+    except ValueError as e:
+        problems.append(str(e))
     if problems:
         raise ValueError("decoding config: " + "; ".join(problems))
+
+
+RAW_TEXT = ("none", "raw")  # chat_template values that mean: the prompt's text as it is
+
+
+def chat_template_text(spec: str) -> str | None:
+    """The Jinja template that `chat_template` names: None for "auto" (the target's own) and "none" / "raw" (no
+    template), a file's text, or `spec` itself when it is a template ({{ or {%)."""
+    if spec in ("auto", *RAW_TEXT):
+        return None
+    path = Path(spec).expanduser() if spec and "{" not in spec else None
+    if path is not None and path.is_file():
+        try:
+            text = path.read_text()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"chat_template {spec!r}: cannot read the file ({e})") from None
+    elif "{{" in spec or "{%" in spec:
+        text = spec
+    else:
+        raise ValueError(f"chat_template {spec!r} is not auto, none, a template file or a Jinja template"
+                         + (" (it is a directory)" if path is not None and path.is_dir() else ""))
+    return text
 
 
 def verify_mask(prefix_len: int, node_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -145,6 +183,7 @@ class SpeculativeDecoder:
                              if head is not None and head.config.head_type == "eagle3" else None)
         self._screen = False  # use_fast_path: greedy tokens may go through cpukernel.screen_argmax
         self._chunked_prefill = False  # use_fast_path: prompts read in chunks of cached passes (`_prefill`)
+        self._said_raw = False  # `encode` has said that the target has no chat template
 
     def use_fast_path(self, on: bool) -> None:
         """Patch (or restore) the linear layers of the target and the head in place; the first call on a machine
@@ -201,13 +240,35 @@ class SpeculativeDecoder:
         return time.perf_counter() - t0
 
     # -- prompts -------------------------------------------------------------------------------------------
-    def encode(self, prompt: str | list[int]) -> list[int]:
+    def encode(self, prompt: str | list[int], chat_template: str | None = None) -> list[int]:
+        """Token ids of a prompt: ids as given (each checked against the vocabulary), or a string as one user turn
+        in the chat template that `chat_template` (default: `config.chat_template`) names (`chat_template_text`), or
+        its raw text."""
         if not isinstance(prompt, str):
-            return [int(t) for t in prompt]
-        tok = self.target.tokenizer
-        if self.config.chat_template == "auto" and tok.chat_template:
-            text = tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                           add_generation_prompt=True)
+            ids = [int(t) for t in prompt]
+            bad = [t for t in ids if not 0 <= t < self.target.vocab_size]
+            if bad:
+                raise ValueError(f"prompt token id {bad[0]} is outside the target's vocabulary (0 .. "
+                                 f"{self.target.vocab_size - 1})")
+            return ids
+        tok, spec = self.target.tokenizer, chat_template or self.config.chat_template
+        given = chat_template_text(spec)  # None: the tokenizer's own ("auto"), or the raw text
+        if spec == "auto" and not tok.chat_template and not self._said_raw:
+            self._said_raw = True  # once per decoder
+            warnings.warn(f"target {self.target.name!r} has no chat template: string prompts are tokenized as raw "
+                          "text (chat_template: none says so without this note; a template file or text sets one)",
+                          stacklevel=2)
+        if given or (spec == "auto" and tok.chat_template):
+            import jinja2  # what transformers renders chat templates with
+
+            try:
+                text = tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                               add_generation_prompt=True, chat_template=given)
+            except jinja2.TemplateError as e:
+                if not given:
+                    raise
+                raise ValueError(f"chat_template {spec[:80]!r}: the template fails ({type(e).__name__}: "
+                                 f"{str(e).splitlines()[0] if str(e) else ''})") from None
             return tok(text, add_special_tokens=False).input_ids
         return tok(prompt).input_ids
 
@@ -227,19 +288,22 @@ class SpeculativeDecoder:
         Nothing after a stop (EOS, a stop string, max_new_tokens, the context length) is yielded, even when
         it was accepted in the same round."""
         cfg = dataclasses.replace(self.config, **config)
+        if max_new_tokens is not None:
+            cfg.max_new_tokens = max_new_tokens
         check_config(cfg)
         if cfg.temperature > 0 and generator is None and cfg.seed is not None:
             generator = torch.Generator().manual_seed(cfg.seed)
-        if max_new_tokens is not None:
-            cfg.max_new_tokens = max_new_tokens
         lookup = cfg.prompt_lookup_num_tokens > 0
         if speculative and self.proposer is None and not lookup:
             raise ValueError("speculative decoding needs a draft head or prompt lookup; pass draft=..., "
                              "prompt_lookup_num_tokens=... or speculative=False")
-        self.use_fast_path(cfg.fast_linear)
-        prompt_ids = self.encode(prompt)
+        prompt_ids = self.encode(prompt, cfg.chat_template)
         if not prompt_ids:
             raise ValueError("prompt is empty")
+        if len(prompt_ids) >= self.target.max_length:
+            raise ValueError(f"prompt of {len(prompt_ids)} tokens does not fit the target's context of "
+                             f"{self.target.max_length} tokens (it must leave room for one new token)")
+        self.use_fast_path(cfg.fast_linear)
         out = GenerateOutput(token_ids=[], text="", prompt_len=len(prompt_ids))
         eos = set(self.target.eos_ids)
         limit = min(cfg.max_new_tokens, self.target.max_length - len(prompt_ids))

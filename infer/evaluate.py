@@ -8,6 +8,11 @@
 Every decoding option is a field of `infer.DecodeConfig` (the `decode` part of EvalConfig; flat on the command
 line). With `--temperature` > 0 both runs sample (seeded), so `lossless` is not defined and reported as null.
 
+`lossless` compares the speculative tokens with our own plain decoding's, which shares every kernel with them.
+`--reference hf` also decodes every prompt with stock transformers (`infer.reference`: a model loaded on its own,
+greedy `generate`) and reports `lossless_vs_reference` (speculative tokens equal to the reference's) and
+`baseline_vs_reference`, with the first mismatch of each prompt and the reference's top-2 logit margin there.
+
 Prompt files: one JSON object a line with `turns` (the first turn is used; `question_id`, `category` optional),
 or `messages` / `conversations` (the first user turn), or `prompt`. Writes `report.json`, `report.md` and, with
 matplotlib installed (the `plot` extra, which `make` installs), `report.png`.
@@ -26,6 +31,7 @@ import torch
 from eagle import load_target
 from infer.decoder import DecodeConfig, GenerateOutput, SpeculativeDecoder, check_config
 from infer.proposer import load_choices
+from infer.reference import HFReference, first_mismatch
 
 
 class EvalError(ValueError):
@@ -46,6 +52,9 @@ class EvalConfig:
     decode: DecodeConfig = field(default_factory=DecodeConfig)
     warmup: int = 1  # prompts decoded once, unmeasured, before timing starts
     num_threads: int = 0
+    # "hf": also decode every prompt greedily with stock transformers, a model loaded on its own (infer.reference),
+    # and report lossless_vs_reference; "": only our own plain decoding is compared
+    reference: str = ""
 
 
 def _first_user_turn(row: dict) -> str | None:
@@ -66,9 +75,13 @@ def load_prompts(spec: str, n: int, spread: bool = False) -> list[dict]:
     """Prompts from a local JSONL file (see module docstring) or a hub dataset name: the first n usable ones, or
     with `spread` n evenly spaced over all usable ones (the i-th of n is usable prompt floor(i * total / n))."""
     path = Path(spec)
+    if n < 1:
+        raise EvalError(f"num_prompts {n}: expected at least 1")
     if path.suffix in (".jsonl", ".json") or path.exists():
         if not path.exists():
             raise EvalError(f"prompt file {spec!r} does not exist")
+        if path.is_dir():
+            raise EvalError(f"prompt file {spec!r} is a directory; name a JSONL file")
         rows = []
         for i, line in enumerate(path.read_text().splitlines()):
             if line.strip():
@@ -133,6 +146,14 @@ def _summary(pairs: list[tuple[GenerateOutput, GenerateOutput]], k: int, samplin
     }
 
 
+def _reference_summary(rows: list[dict], compared: bool) -> dict:
+    """The fractions of prompts whose speculative (`lossless_vs_reference`) and plain (`baseline_vs_reference`)
+    tokens equal the reference's; null where no reference decoded them."""
+    n = max(len(rows), 1)
+    return {"lossless_vs_reference": sum(r["spec_mismatch"] is None for r in rows) / n if compared else None,
+            "baseline_vs_reference": sum(r["baseline_mismatch"] is None for r in rows) / n if compared else None}
+
+
 def draft_depth(d: DecodeConfig) -> int:
     """The deepest a round's accepted path can go: the positions acceptance is reported for."""
     if d.mode == "chain":
@@ -146,9 +167,34 @@ def draft_depth(d: DecodeConfig) -> int:
     return max(depth, d.prompt_lookup_num_tokens)  # a lookup branch reaches its own length
 
 
-def evaluate(cfg: EvalConfig, decoder: SpeculativeDecoder | None = None) -> dict:
+def check_reference(cfg: EvalConfig) -> None:
+    if cfg.reference not in ("", "hf"):
+        raise EvalError(f"--reference {cfg.reference!r}: expected hf (stock transformers) or nothing")
+    if cfg.reference and cfg.decode.temperature > 0:
+        raise EvalError("--reference hf compares greedy outputs: it needs --temperature 0")
+
+
+def _vs_reference(dec: SpeculativeDecoder, ref: HFReference, prompt_ids: list[int], d: DecodeConfig,
+                  base: GenerateOutput, spec: GenerateOutput) -> dict:
+    """The reference's greedy tokens for one prompt, cut at the first stop string as ours are, and where ours part
+    from them."""
+    r = ref.greedy(prompt_ids, d.max_new_tokens, dec.target.eos_ids)
+    if d.stop:
+        cut = dec._stop_string_cut([], r.token_ids, d.stop)
+        r.token_ids = r.token_ids if cut is None else r.token_ids[:cut]
+    out = {"reference_token_ids": r.token_ids}
+    for name, ours in (("baseline", base), ("spec", spec)):
+        m = first_mismatch(ours.token_ids, r)
+        out[f"{name}_mismatch"] = None if m is None else asdict(m)
+    return out
+
+
+def evaluate(cfg: EvalConfig, decoder: SpeculativeDecoder | None = None,
+             reference: HFReference | None = None) -> dict:
+    """`reference`: the stock model to compare with (else, with `cfg.reference` "hf", one loaded here)."""
     d = cfg.decode
     check_config(d)  # before the target loads
+    check_reference(cfg)
     k = draft_depth(d)
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
@@ -157,11 +203,18 @@ def evaluate(cfg: EvalConfig, decoder: SpeculativeDecoder | None = None) -> dict
                                                         draft_model=cfg.draft_model or None)
     dec.config = d
     sampling = d.temperature > 0
+    if cfg.reference and reference is None:
+        reference = HFReference.load(dec.target.name, device=dec.target.device, dtype=dec.target.dtype)
 
     def run(prompt, n, speculative, i):
         g = torch.Generator().manual_seed((d.seed or 0) * 1_000_003 + i) if sampling else None
         return dec.generate(prompt, n, speculative=speculative, generator=g)
 
+    for p in prompts:  # before any decoding: a prompt the context cannot take ends the run at once
+        n = len(dec.encode(p["prompt"]))
+        if n >= dec.target.max_length:
+            raise EvalError(f"prompt {p['question_id']} of {cfg.data!r}: {n} tokens do not fit the target's context "
+                            f"of {dec.target.max_length} tokens (it must leave room for one new token)")
     for p in prompts[: cfg.warmup]:
         run(p["prompt"], min(d.max_new_tokens, 16), False, -1)
         run(p["prompt"], min(d.max_new_tokens, 16), True, -1)
@@ -171,21 +224,31 @@ def evaluate(cfg: EvalConfig, decoder: SpeculativeDecoder | None = None) -> dict
         base = run(p["prompt"], d.max_new_tokens, False, i)
         spec = run(p["prompt"], d.max_new_tokens, True, i)
         pairs.append((base, spec))
-        per_prompt.append({"question_id": p["question_id"], "category": p["category"],
-                           "prompt_token_ids": dec.encode(p["prompt"]), "baseline_token_ids": base.token_ids,
-                           "spec_token_ids": spec.token_ids, "accept_lengths": spec.accept_lengths,
-                           "tau": spec.tau, "baseline_s": base.total_s, "spec_s": spec.total_s})
+        ids = dec.encode(p["prompt"])
+        row = {"question_id": p["question_id"], "category": p["category"], "prompt_token_ids": ids,
+               "baseline_token_ids": base.token_ids, "spec_token_ids": spec.token_ids,
+               "accept_lengths": spec.accept_lengths, "tau": spec.tau, "baseline_s": base.total_s,
+               "spec_s": spec.total_s}
+        if reference is not None:
+            row.update(_vs_reference(dec, reference, ids, d, base, spec))
+        per_prompt.append(row)
+        vs_ref = "" if reference is None else (", reference: same" if row["spec_mismatch"] is None
+                                                else f", reference: DIFFERENT at token {row['spec_mismatch']['position']}")
         print(f"[{i + 1}/{len(prompts)}] {p['category']}: tau {spec.tau:.2f}, "
               f"{base.tokens_per_s:.1f} -> {spec.tokens_per_s:.1f} tok/s, "
-              + ("sampled" if sampling else "identical" if base.token_ids == spec.token_ids else "DIFFERENT"),
-              flush=True)
+              + ("sampled" if sampling else "identical" if base.token_ids == spec.token_ids else "DIFFERENT")
+              + vs_ref, flush=True)
     by_cat = defaultdict(list)
-    for (b, s), p in zip(pairs, prompts):
-        by_cat[p["category"]].append((b, s))
+    for pair, p, row in zip(pairs, prompts, per_prompt):
+        by_cat[p["category"]].append((pair, row))
+    whole = list(zip(pairs, per_prompt))
     report = {
         "settings": asdict(cfg),
         **_summary(pairs, k, sampling),
-        "per_category": {c: _summary(v, k, sampling) for c, v in sorted(by_cat.items())},
+        **_reference_summary([row for _, row in whole], reference is not None),
+        "per_category": {c: {**_summary([pair for pair, _ in v], k, sampling),
+                             **_reference_summary([row for _, row in v], reference is not None)}
+                         for c, v in sorted(by_cat.items())},
         "seconds": time.perf_counter() - t0,
         "prompts": per_prompt,
     }
@@ -232,17 +295,26 @@ def markdown(r: dict) -> str:
     lines = [f"# Speculative decoding: {s['target']} + {s['draft']}", "",
              f"{r['num_prompts']} prompts from `{s['data']}`, {d['max_new_tokens']} new tokens, mode {d['mode']} "
              f"({shape}){temp}", "",
-             "| set | prompts | tau | baseline tok/s | speculative tok/s | speedup | lossless |",
-             "|---|---|---|---|---|---|---|"]
+             "| set | prompts | tau | baseline tok/s | speculative tok/s | speedup | lossless | vs reference |",
+             "|---|---|---|---|---|---|---|---|"]
     rows = [("all", r)] + [(c, m) for c, m in r["per_category"].items() if len(r["per_category"]) > 1]
     for name, m in rows:
         lines.append(f"| {name} | {m['num_prompts']} | {m['tau']:.2f} | {m['baseline_tokens_per_s']:.1f} | "
-                     f"{m['spec_tokens_per_s']:.1f} | {m['speedup']:.2f}x | "
-                     f"{'n/a' if m['lossless'] is None else format(m['lossless'], '.2f')} |")
+                     f"{m['spec_tokens_per_s']:.1f} | {m['speedup']:.2f}x | {_fraction(m['lossless'])} | "
+                     f"{_fraction(m.get('lossless_vs_reference'))} |")
     lines += ["", "Acceptance by draft position: " +
               ", ".join(f"{i + 1}: {a:.2f}" for i, a in enumerate(r["acceptance_per_position"])),
               f"Time drafting {r['draft_s']:.1f}s, verifying {r['verify_s']:.1f}s (speculative runs). "
               f"Per round: draft {r['round_ms']['draft']:.1f} ms, verify {r['round_ms']['verify']:.1f} ms, "
-              f"other {r['round_ms']['other']:.1f} ms; plain greedy {r['baseline_ms_per_token']:.1f} ms per token.",
-              ""]
-    return "\n".join(lines)
+              f"other {r['round_ms']['other']:.1f} ms; plain greedy {r['baseline_ms_per_token']:.1f} ms per token."]
+    for p in r["prompts"]:
+        m = p.get("spec_mismatch")
+        if m is not None:
+            margin = "" if m["margin"] is None else f", the reference's top-2 logit margin there {m['margin']:.4g}"
+            lines.append(f"Prompt {p['question_id']}: differs from the reference at new token {m['position']} "
+                         f"(ours {m['ours']}, reference {m['reference']}{margin}).")
+    return "\n".join(lines + [""])
+
+
+def _fraction(v: float | None) -> str:
+    return "n/a" if v is None else format(v, ".2f")

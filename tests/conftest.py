@@ -1,13 +1,21 @@
-"""Shared test fixtures: a tiny tokenizer built offline, with a one-line ChatML chat template."""
+"""Shared test fixtures: a tiny tokenizer built offline, with a one-line ChatML chat template; the CPU backend's
+paths (`kernel_path`); the tests' own cache folder."""
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # import the packages from the checkout
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # import the packages from the checkout
+# The tests keep their own cache (converted targets, kernels, timing plans), apart from the user's ~/.cache/eagle:
+# plans measured under a test's forced settings must not reach real runs. EAGLE_TEST_CACHE names another folder.
+os.environ["EAGLE_CACHE"] = os.environ.get("EAGLE_TEST_CACHE") or str(ROOT / ".cache" / "eagle-tests")
+
+from paths import KERNEL_PATHS, kernel_path_missing  # noqa: E402 (after the cache folder is set)
 
 SPECIAL_TOKENS = ["<pad>", "<|im_start|>", "<|im_end|>", "<bos>", "<eos>", "<start_of_turn>", "<end_of_turn>"]
 
@@ -62,3 +70,39 @@ def make_tokenizer(tokenizer_json):
 def tiny_tokenizer(make_tokenizer):
     """About 300 tokens, ChatML template, eos = <|im_end|>, pad = <pad>; offsets work (fast tokenizer)."""
     return make_tokenizer()
+
+
+# -- the CPU backend's paths (tests/paths.py) --------------------------------------------------------------------
+@pytest.fixture(scope="session")
+def avx2_library():
+    """The kernel built for AVX2 alone (x86-64-v3), once per test session (kept in the tests' cache)."""
+    from eagle import cpukernel
+    from eagle.target import cache_root
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(cpukernel, "FLAGS", [f if f != "-march=native" else "-march=x86-64-v3" for f in cpukernel.FLAGS])
+        path = cache_root() / "kernels" / f"avx2-{cpukernel.library_key()}.so"
+        try:
+            lib = cpukernel.load(path)
+        except OSError:
+            cpukernel.build(path)
+            lib = cpukernel.load(path)
+    assert not lib.vq_supported() and not lib.amx_enable()
+    return lib
+
+
+@pytest.fixture(params=KERNEL_PATHS)
+def kernel_path(request, monkeypatch) -> str:
+    """Runs the test once per CPU path (tests/paths.py), that path forced; returns its name."""
+    from eagle import cpukernel
+
+    path = request.param
+    reason = kernel_path_missing(path)
+    if reason:
+        pytest.skip(f"{path} path: {reason}")
+    if path == "avx2":
+        monkeypatch.setattr(cpukernel, "_lib", request.getfixturevalue("avx2_library"))
+        monkeypatch.setattr(cpukernel, "_amx", None)  # asked of that library again
+    monkeypatch.setattr(cpukernel, "AMX", path == "amx")
+    monkeypatch.setattr(cpukernel, "VNNI", path == "vnni")
+    return path

@@ -8,12 +8,14 @@ import sys
 import pytest
 import torch
 
+from paths import kernel_path_missing
+
 from eagle import cpukernel
 from infer import SpeculativeDecoder
 from tests.tiny import tiny_head, tiny_target
 
-pytestmark = pytest.mark.skipif(not (cpukernel.available() and cpukernel.amx_on()),
-                                reason="no AMX tiles here (CPU, compiler or OS)")
+pytestmark = pytest.mark.skipif(kernel_path_missing("amx") is not None,
+                                reason=f"amx path: {kernel_path_missing('amx')}")
 
 
 def test_amx_products_keep_each_rows_bits_with_float32_accuracy():

@@ -11,6 +11,7 @@ from eagle.fastlinear import (BUCKETS, LAYOUTS, Plan, calibrate, disable_fast_li
 from eagle.attention import use_gqa_sdpa
 from infer import SpeculativeDecoder
 from infer.cache import TargetCache
+from paths import kernel_path_missing
 from tests.tiny import tiny_head, tiny_target
 
 
@@ -390,14 +391,13 @@ def test_screened_argmax_is_the_kernels_argmax_bit_for_bit(threads, tiles, monke
         torch.set_num_threads(before)
 
 
-@pytest.mark.skipif(not (cpukernel.available() and cpukernel.library().screen_pairs()),
-                    reason="the native build already takes the float path")
-def test_screened_argmax_without_vnni(tmp_path, monkeypatch):
-    # the int8-to-float path that CPUs without AVX512-VNNI take (an AVX2 build), checked on this VNNI machine too
-    monkeypatch.setattr(cpukernel, "FLAGS", [f if f != "-march=native" else "-march=x86-64-v3"
-                                             for f in cpukernel.FLAGS])
-    cpukernel.build(tmp_path / "avx2.so")
-    monkeypatch.setattr(cpukernel, "_lib", cpukernel.load(tmp_path / "avx2.so"))
+def test_screened_argmax_without_vnni(request, monkeypatch):
+    # the int8-to-float path that CPUs without AVX512-VNNI take (the avx2 path), checked on a VNNI machine too
+    reason = kernel_path_missing("avx2")
+    if reason or not cpukernel.library().screen_pairs():
+        pytest.skip(f"avx2 path: {reason}" if reason else "the native build already takes the float path")
+    monkeypatch.setattr(cpukernel, "_lib", request.getfixturevalue("avx2_library"))
+    monkeypatch.setattr(cpukernel, "_amx", None)
     assert not cpukernel._lib.screen_pairs()
     _check_screen_against_the_kernel(7)
     _check_screen_edge_cases()

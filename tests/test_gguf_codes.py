@@ -95,7 +95,9 @@ def test_codes_are_matched_to_weights_by_rows_through_a_gguf_file(tmp_path):
     assert "_eagle_kquant" not in model.c.__dict__
 
 
-def test_a_target_with_k_quant_weights_decodes_the_same_with_and_without_the_codes(monkeypatch):
+def test_a_target_with_k_quant_weights_decodes_the_same_with_and_without_the_codes(monkeypatch, kernel_path):
+    # every CPU path: on the float32 ones (AMX tiles take Q4_1 codes only) the codes give the float32 weights'
+    # bits; byte products give other bits, and speculation still gives greedy's tokens
     from infer import SpeculativeDecoder
     from tiny import tiny_head
 
@@ -108,21 +110,19 @@ def test_a_target_with_k_quant_weights_decodes_the_same_with_and_without_the_cod
                 mod.weight.copy_(w)
                 mod.weight.__dict__["_eagle_kquant"] = w.__dict__["_eagle_kquant"]
     dec = SpeculativeDecoder(target, tiny_head(target))
-    prompt, runs = [5, 9, 14, 22, 7], []
-    monkeypatch.setattr(cpukernel, "VNNI", False)  # the FMA path: the float32 weights' bits
+    prompt, layer = [5, 9, 14, 22, 7], target.model.model.layers[0].self_attn.q_proj.weight
+    if kernel_path == "vnni":
+        greedy = dec.generate(prompt, max_new_tokens=16, speculative=False).token_ids
+        assert cpukernel.packed(layer) & 15 == 14
+        assert dec.generate(prompt, max_new_tokens=16, num_speculative_tokens=3).token_ids == greedy
+        return
+    runs = []
     for on in (True, False):
         monkeypatch.setattr(cpukernel, "Q4_1", on)
         runs += [dec.generate(prompt, max_new_tokens=16, speculative=False).token_ids,
                  dec.generate(prompt, max_new_tokens=16, num_speculative_tokens=3).token_ids]
-        layer = target.model.model.layers[0].self_attn.q_proj.weight
         assert cpukernel.packed(layer) & 7 == (6 if on else 0)
     assert all(r == runs[0] for r in runs)
-    monkeypatch.setattr(cpukernel, "Q4_1", True)
-    monkeypatch.setattr(cpukernel, "VNNI", True)
-    if cpukernel.library().vq_supported():  # byte products: other bits, and speculation still gives greedy's tokens
-        greedy = dec.generate(prompt, max_new_tokens=16, speculative=False).token_ids
-        assert cpukernel.packed(layer) & 15 == 14
-        assert dec.generate(prompt, max_new_tokens=16, num_speculative_tokens=3).token_ids == greedy
 
 
 def test_a_gguf_target_loads_when_its_codes_cannot_be_read(monkeypatch):

@@ -9,7 +9,8 @@ cross-entropy of the draft distribution q against the target's distribution p at
 get uniform noise. Loss (EAGLE-3): the cross-entropy alone, over the draft vocabulary, with the head unrolled on
 its own outputs for `loss.steps` steps (the training-time test). Target features are computed once and cached
 beside the prepared rows, or per batch with `data.online=true`. Rerunning the same command resumes from
-`run_dir/checkpoint` (written whole or not at all); the head with the best validation tau (chain decoding simulated
+`run_dir/checkpoint` (written whole or not at all: a kill at any instant, SIGKILL included, resumes from the last
+complete checkpoint; see `save_checkpoint`); the head with the best validation tau (chain decoding simulated
 along every held-out row, `batch_accepts`) is exported to `out`.
 """
 
@@ -19,6 +20,7 @@ import json
 import math
 import os
 import shutil
+import signal
 import time
 from pathlib import Path
 
@@ -28,7 +30,7 @@ from tqdm import tqdm
 
 from data_prep.prep import assistant_token_counts, load_examples
 from eagle import EagleHead, HeadCache, HeadConfig, TargetModel, load_target
-from eagle.checkpoint import load_head, save_head
+from eagle.checkpoint import check_head_dir, fsync_path, load_head, recover_dir, replace_dir, save_head
 from eagle.features import DTYPES as FEATURE_DTYPES, features_path, flat_rows, load_features, save_features
 from eagle.configio import save_config
 from eagle.fastlinear import enable_fast_linear, linear_as, plan_training
@@ -393,18 +395,55 @@ def acceptance_stats(accepts: list[int], k: int) -> dict:
 
 
 # -- checkpoints --------------------------------------------------------------------------------------------------
+FAULT_ENV = "EAGLE_FAULT"  # fault injection for tests: POINT or POINT@STEP (see `fault`)
+
+
+def fault(point: str, step: int) -> None:
+    """SIGKILL this process at `point` when the environment variable EAGLE_FAULT names it (`POINT`, or `POINT@STEP`
+    for the given step only): how the tests kill a run at an instant they choose. Points: checkpoint-between-renames
+    (`save_checkpoint`)."""
+    name, _, at = os.environ.get(FAULT_ENV, "").partition("@")
+    if name == point and (not at or int(at) == step):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 def save_checkpoint(run: Path, head, opt, state: dict) -> None:
-    """run/checkpoint holds head + optimizer + trainer state; written in a temp dir, then renamed."""
-    tmp = run / f"checkpoint.tmp{os.getpid()}"
+    """run/checkpoint holds head + optimizer + trainer state. It is written whole into run/checkpoint.tmp (a partial
+    one left by a kill is removed first: the name is ours) and flushed to the disk, then renamed in by
+    `eagle.checkpoint.replace_dir`: the previous checkpoint is renamed to run/checkpoint.prev and removed only once
+    the new one is in place, and `last_checkpoint` puts checkpoint.prev back when a kill came between the two
+    renames. So a kill at any instant leaves a complete checkpoint. EAGLE_FAULT=checkpoint-between-renames[@STEP]
+    kills the process between the renames (`fault`)."""
+    bad = [k for k, v in head.trainable_state_dict().items() if v.is_floating_point() and not v.isfinite().all()]
+    if bad:  # never in place of a good checkpoint
+        raise TrainError(f"the weights are not finite after step {state['step']} ({', '.join(bad[:3])}): training "
+                         f"stopped; {last_good(run, state['step'])}")
+    tmp = run / "checkpoint.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     save_head(head, tmp / "head")
     torch.save(opt.state_dict(), tmp / "optimizer.pt")
     (tmp / "state.json").write_text(json.dumps(state))
-    final, old = run / "checkpoint", run / f"checkpoint.old{os.getpid()}"
-    if final.exists():
-        os.replace(final, old)
-    os.replace(tmp, final)
-    shutil.rmtree(old, ignore_errors=True)
+    for f in (tmp / "optimizer.pt", tmp / "state.json", tmp):
+        fsync_path(f)
+    replace_dir(tmp, run / "checkpoint", between=lambda: fault("checkpoint-between-renames", state["step"]))
+
+
+def last_checkpoint(run: Path) -> Path | None:
+    """run/checkpoint, the last complete checkpoint (put back from checkpoint.prev when a kill came between
+    `save_checkpoint`'s renames), or None; a partial checkpoint.tmp is never read."""
+    return recover_dir(run / "checkpoint")
+
+
+def last_good(run: Path, step: int) -> str:
+    """Where the last checkpoint of a run stopped at `step` is, for its error message: a checkpoint of that very step
+    holds the weights that gave the bad loss."""
+    ckpt = run / "checkpoint"
+    if not (ckpt / "state.json").exists():
+        return "no checkpoint was written yet"
+    saved = json.loads((ckpt / "state.json").read_text())["step"]
+    if saved < step:
+        return f"the last good checkpoint, {ckpt} (step {saved}), is kept"
+    return f"the last checkpoint, {ckpt} (step {saved}), is kept (the weights this step started from)"
 
 
 def val_prompts(cfg: TrainConfig) -> list[str]:
@@ -471,12 +510,24 @@ def train(cfg: TrainConfig, target: TargetModel | None = None) -> dict:
     feat_dtype = getattr(torch, cfg.data.feature_dtype)
     if cfg.mixed_precision not in ("none", "bf16"):
         raise TrainError(f"mixed_precision {cfg.mixed_precision!r}: expected none or bf16")
+    if not 0 <= cfg.optim.lr <= torch.finfo(torch.float32).max:  # else AdamW's step fails with a RuntimeError
+        raise TrainError(f"optim.lr {cfg.optim.lr}: expected a number >= 0 that float32 holds")
+    negative = [f"budget.{k} {v}" for k, v in vars(cfg.budget).items() if v < 0]
+    if negative:
+        raise TrainError(f"{', '.join(negative)}: a budget cannot be negative (0: no limit of that kind)")
+    run, out = Path(cfg.run_dir), Path(cfg.out)
+    if run.exists() and not run.is_dir():
+        raise TrainError(f"run_dir {cfg.run_dir!r} is a file: name a directory for the checkpoints and logs")
+    if out.resolve() == run.resolve() or out.resolve() in run.resolve().parents:
+        raise TrainError(f"out {cfg.out!r} would hold run_dir {cfg.run_dir!r}: name a directory of its own for the "
+                         "head")
+    check_head_dir(out, "out ")  # before any time is spent: a directory holding anything but a head is not replaced
+    recover_dir(out)  # a head write killed between its renames: the previous head back in place
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
-    run = Path(cfg.run_dir)
     run.mkdir(parents=True, exist_ok=True)
-    state_file = run / "checkpoint" / "state.json"
-    state = json.loads(state_file.read_text()) if state_file.exists() else None
+    ckpt = last_checkpoint(run)
+    state = json.loads((ckpt / "state.json").read_text()) if ckpt else None
     if state and state.get("done"):
         print(f"training in {run} already finished at step {state['step']}; best head in {cfg.out}")
         return state
@@ -554,7 +605,7 @@ def train(cfg: TrainConfig, target: TargetModel | None = None) -> dict:
     steps_per_epoch = len(make_batches([r[0].shape[0] for r in rows], cfg.optim.batch_tokens, torch.Generator()))
     limit_s = cfg.budget.minutes * 60
     max_steps = cfg.budget.max_steps or (int(cfg.budget.epochs * steps_per_epoch) if cfg.budget.epochs else 0)
-    log = RunLog(run, cfg.tensorboard, resume_step=state["step"])
+    log = RunLog(run, cfg.tensorboard, resume_step=state["step"], resume_bytes=state.get("log_bytes"))
     print(f"{len(rows)} train rows ({sum(r[0].shape[0] for r in rows)} tokens), {len(val_rows)} val rows, "
           f"{steps_per_epoch} steps/epoch; target features in {feat_s:.1f}s; resuming at step {state['step']}"
           if state["step"] else f"{len(rows)} train rows, {len(val_rows)} val rows, {steps_per_epoch} steps/epoch; "
@@ -575,9 +626,10 @@ def train(cfg: TrainConfig, target: TargetModel | None = None) -> dict:
             state["best_tau"] = score
             save_head(raw, Path(cfg.out), extra={"step": state["step"], **v})
         state["done"] = final
-        save_checkpoint(run, raw, opt, state)
         rec = {"step": state["step"], "train_min": round(state["train_s"] / 60, 2), **v, "best": state["best_tau"]}
         log.write(rec, "val")
+        state["log_bytes"] = log.mark()
+        save_checkpoint(run, raw, opt, state)
         tqdm.write("validation: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in rec.items()))
 
     bar = tqdm(total=int(limit_s) if limit_s else max_steps, initial=int(state["train_s"]) if limit_s else state["step"],
@@ -601,11 +653,16 @@ def train(cfg: TrainConfig, target: TargetModel | None = None) -> dict:
                 bar.close()
                 log.close()
                 raise TrainError(f"loss is {m['loss']} at step {state['step']} (batch {b} of epoch "
-                                 f"{state['epoch']}); the last good checkpoint is in {run / 'checkpoint'}")
+                                 f"{state['epoch']}): training stopped; {last_good(run, state['step'])}")
             opt.zero_grad(set_to_none=True)
             accelerator.backward(loss)
             if cfg.optim.grad_clip:
-                accelerator.clip_grad_norm_(params, cfg.optim.grad_clip)
+                norm = accelerator.clip_grad_norm_(params, cfg.optim.grad_clip)  # None under DeepSpeed
+                if norm is not None and not math.isfinite(float(norm)):  # before the step: the weights stay finite
+                    bar.close()
+                    log.close()
+                    raise TrainError(f"gradient norm is {float(norm)} at step {state['step']} (batch {b} of epoch "
+                                     f"{state['epoch']}): training stopped; {last_good(run, state['step'])}")
             opt.step()
             dt = time.perf_counter() - t0
             state["step"] += 1
@@ -625,6 +682,7 @@ def train(cfg: TrainConfig, target: TargetModel | None = None) -> dict:
                 checkpoint_and_validate(final=False)
                 last_val = last_save = state["train_s"]
             elif state["train_s"] - last_save >= cfg.save_every_minutes * 60:
+                state["log_bytes"] = log.mark()
                 save_checkpoint(run, raw, opt, state)
                 last_save = state["train_s"]
         else:

@@ -7,13 +7,18 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 
 class RunLog:
-    def __init__(self, run: Path, tensorboard: bool, resume_step: int = 0):
-        """`resume_step`: a resumed run's step; TensorBoard drops what an earlier run logged after it."""
+    def __init__(self, run: Path, tensorboard: bool, resume_step: int = 0, resume_bytes: int | None = None):
+        """`resume_step`: a resumed run's step; TensorBoard drops what an earlier run logged after it.
+        `resume_bytes`: the log's length at that checkpoint (`mark`); lines a killed run wrote after it are cut, so
+        the resumed run writes each step once."""
         self.file = open(run / "log.jsonl", "a")
+        if resume_bytes is not None and self.file.tell() > resume_bytes:
+            self.file.truncate(resume_bytes)
         self.tb = None
         if tensorboard:
             try:
@@ -39,6 +44,13 @@ class RunLog:
             self.file.flush()
             if self.tb is not None:
                 self.tb.flush()
+
+    def mark(self) -> int:
+        """Flush the lines written so far (to the disk too) and return the log's length, for a checkpoint to
+        record."""
+        self.file.flush()
+        os.fsync(self.file.fileno())
+        return self.file.tell()
 
     def close(self) -> None:
         self.file.close()
