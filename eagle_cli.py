@@ -116,13 +116,14 @@ def cmd_export(args) -> None:
 def cmd_generate(args) -> None:
     import torch
 
+    from cpu_backend import CPUConfig
     from infer import DecodeConfig, SpeculativeDecoder
     from infer.decoder import check_config
 
     cfg = _config_from_args(DecodeConfig, args)
     check_config(cfg)  # before the target loads
     dec = SpeculativeDecoder.from_pretrained(args.target, args.draft, draft_model=args.draft_model,
-                                             **dataclasses.asdict(cfg))
+                                             cpu=_config_from_args(CPUConfig, args), **dataclasses.asdict(cfg))
     tok = dec.target.tokenizer
     g = torch.Generator().manual_seed(cfg.seed) if cfg.temperature > 0 and cfg.seed is not None else None
     speculative = bool(args.draft or args.draft_model) or cfg.prompt_lookup_num_tokens > 0
@@ -145,6 +146,7 @@ def cmd_generate(args) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     from data_prep.prep import PrepConfig
+    from cpu_backend import CPUConfig
     from infer import DecodeConfig
     from infer.bench import BenchConfig
     from infer.evaluate import EvalConfig
@@ -174,6 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
     sg.add_argument("--draft-model", default=None, help="instead of a head: a small LM with the target's tokenizer")
     sg.add_argument("--prompt", required=True)
     _add_dataclass_args(sg, DecodeConfig)
+    _add_dataclass_args(sg, CPUConfig)
     sg.set_defaults(func=cmd_generate)
     return p
 

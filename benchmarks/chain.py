@@ -26,7 +26,7 @@ import torch
 
 from eagle import load_target
 from eagle.attention import use_gqa_sdpa
-from eagle.fastlinear import disable_fast_linear
+from cpu_backend.fastpath import disable_fast_linear
 from infer import SpeculativeDecoder
 from infer.evaluate import load_prompts
 

@@ -1,4 +1,4 @@
-"""The C product kernel (eagle.cpukernel.rows_linear) against F.linear and, optionally, against the kernel of
+"""The C product kernel (cpu_backend.kernels.rows_linear) against F.linear and, optionally, against the kernel of
 another git revision, on SmolLM2-135M's weight shapes at the row counts a decoding pass multiplies.
 
     .venv/bin/python benchmarks/kernel.py --against HEAD~1 /tmp/variant.py --rows 1 2 4 8 12 16
@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from eagle import cpukernel
+from cpu_backend import kernels
 from speed import bandwidth_gb_s  # benchmarks/speed.py: GB/s of summing a 256 MB tensor
 
 SHAPES = ("576x576", "192x576", "1536x576", "576x1536", "49152x576")
@@ -66,7 +66,7 @@ def peak_fma(threads: int, iters: int = 50_000_000, width: int = 8) -> float:
     threads."""
     path = Path(tempfile.mkdtemp()) / "peak.so"
     source = PEAK_SOURCE if width == 8 else PEAK_SOURCE.replace("__m256", "__m512").replace("_mm256_", "_mm512_")
-    cpukernel.build(path, source)
+    kernels.build(path, source)
     lib = ctypes.CDLL(str(path))
     lib.fma_chains.argtypes, lib.fma_chains.restype = [ctypes.c_long, ctypes.c_int], ctypes.c_float
     best = min(_timed(lambda: lib.fma_chains(iters, threads)) for _ in range(5))
@@ -98,31 +98,31 @@ def _timed(fn) -> float:
 
 
 def kernel_at(rev: str) -> ctypes.CDLL:
-    """The kernel library of a copy of eagle/cpukernel.py (a path), or as it was at git revision `rev`, compiled
+    """The kernel library of a copy of cpu_backend/kernels.py (a path), or as it was at git revision `rev`, compiled
     into a temporary directory."""
     if Path(rev).is_file():
         text = Path(rev).read_text()
     else:
-        text = subprocess.run(["git", "show", f"{rev}:eagle/cpukernel.py"], check=True, capture_output=True,
+        text = subprocess.run(["git", "show", f"{rev}:cpu_backend/kernels.py"], check=True, capture_output=True,
                               text=True, cwd=Path(__file__).resolve().parent.parent).stdout
     source = text.split('SOURCE = r"""', 1)[1].split('"""', 1)[0]
     path = Path(tempfile.mkdtemp()) / "k.so"
-    cpukernel.build(path, source)
-    lib = cpukernel.load(path)
+    kernels.build(path, source)
+    lib = kernels.load(path)
     lib.packed_weights = "def pack(" in text  # its products read weights in this tree's packed layout
     return lib
 
 
 def call(lib: ctypes.CDLL, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     y = x.new_empty(x.shape[0], w.shape[0])
-    lib.rows_linear(cpukernel.packed(w) if lib.packed_weights else w.data_ptr(), x.data_ptr(), None, y.data_ptr(),
+    lib.rows_linear(kernels.packed(w) if lib.packed_weights else w.data_ptr(), x.data_ptr(), None, y.data_ptr(),
                     w.shape[0], w.shape[1], x.shape[0], torch.get_num_threads())
     return y
 
 
 def call_attend(lib: ctypes.CDLL, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
                 scale: float) -> torch.Tensor:
-    """cpukernel.attend through another build's library (bool mask)"""
+    """kernels.attend through another build's library (bool mask)"""
     B, H, M, D = q.shape
     out = q.new_empty(B, M, H, D)
     lib.attend(q.data_ptr(), q.stride(0), q.stride(1), q.stride(2), k.data_ptr(), v.data_ptr(), k.stride(0),
@@ -150,7 +150,7 @@ def time_attention(contexts: list[int], rows_list: list[int], repeats: int, agai
                 return F.scaled_dot_product_attention(q.reshape(1, 3, 3 * m, 64), k, v,
                                                       attn_mask=mask.repeat(1, 1, 3, 1), scale=0.125)
 
-            fns = {"kernel": lambda q, k, v: cpukernel.attend(q, k, v, mask, 0.125), "folded sdpa": folded}
+            fns = {"kernel": lambda q, k, v: kernels.attend(q, k, v, mask, 0.125), "folded sdpa": folded}
             for name, lib in others.items():
                 fns[name] = lambda q, k, v, lib=lib: call_attend(lib, q, k, v, mask, 0.125)
                 torch.testing.assert_close(fns[name](qs[0], *kvs[0]), fns["kernel"](qs[0], *kvs[0]), msg=name)
@@ -166,7 +166,7 @@ def time_attention(contexts: list[int], rows_list: list[int], repeats: int, agai
 
 
 def time_screen(rows_list: list[int], repeats: int) -> None:
-    """Greedy tokens from SmolLM2's lm_head: `cpukernel.screen_argmax` against the whole float32 lm_head through
+    """Greedy tokens from SmolLM2's lm_head: `kernels.screen_argmax` against the whole float32 lm_head through
     the kernel and its argmax, on the target's own last features (3 MT-bench first turns and 48 greedy tokens
     after each), interleaved; and how many outputs the screen recomputes in float32 per row (the same bound as
     the C code, in float64 here)."""
@@ -185,11 +185,11 @@ def time_screen(rows_list: list[int], repeats: int) -> None:
         feats.append(f[0, -48:])
     x_all = torch.cat(feats).contiguous()
     w = target.lm_head.weight
-    _, s, c, n_max, _ = cpukernel.screen_tables(w)
+    _, s, c, n_max, _ = kernels.screen_tables(w)
     wq = torch.round(w.double() / s.double()[:, None]).clamp(-127, 127) * s.double()[:, None]
     x64 = x_all.double()
     extra = torch.zeros(len(x64), dtype=torch.float64)
-    if cpukernel.library().screen_pairs():  # x rounded to int16 as the VNNI path does
+    if kernels.library().screen_pairs():  # x rounded to int16 as the VNNI path does
         lim = min((2 ** 31 - 1) // 127 // w.shape[1], 16383)
         sx = x64.abs().amax(1, keepdim=True) / lim
         extra = (x64 - torch.round(x64 / sx) * sx).norm(dim=1) * n_max
@@ -201,32 +201,32 @@ def time_screen(rows_list: list[int], repeats: int) -> None:
     print(f"threads {torch.get_num_threads()}; ms per call, median of {repeats}, interleaved")
     for m in rows_list:
         x = x_all[:m].contiguous()
-        assert torch.equal(cpukernel.screen_argmax(x, w), cpukernel.rows_linear(x, w, None).argmax(-1))
+        assert torch.equal(kernels.screen_argmax(x, w), kernels.rows_linear(x, w, None).argmax(-1))
         times: dict[str, list[float]] = {"whole lm_head": [], "screen": []}
         for r in range(repeats):
             for name in (times if r % 2 else reversed(list(times))):
                 t0 = time.perf_counter()
                 if name == "screen":
-                    cpukernel.screen_argmax(x, w)
+                    kernels.screen_argmax(x, w)
                 else:
-                    cpukernel.rows_linear(x, w, None).argmax(-1)
+                    kernels.rows_linear(x, w, None).argmax(-1)
                 times[name].append((time.perf_counter() - t0) * 1e3)
         whole, screen = statistics.median(times["whole lm_head"]), statistics.median(times["screen"])
         print(f"M {m:>3}: whole lm_head {whole:6.2f}  screen {screen:6.2f}  ratio {screen / whole:.2f}", flush=True)
 
 
 def time_q4(shapes: list[str], rows_list: list[int], repeats: int, against: list[str], total_mb: int = 400) -> None:
-    """Products of weights in GGUF Q4_1 form: their float32 copies, their codes on the FMA path (`cpukernel.Q4_1`;
+    """Products of weights in GGUF Q4_1 form: their float32 copies, their codes on the FMA path (`kernels.Q4_1`;
     the same bits checked) and their codes on AMX tiles or in VNNI byte products where the CPU has them
-    (`cpukernel.AMX`, `cpukernel.VNNI`, the defaults; their largest errors against float64 printed beside the FMA
+    (`kernels.AMX`, `kernels.VNNI`, the defaults; their largest errors against float64 printed beside the FMA
     path's), on enough distinct weights of each shape to hold
     `total_mb` MB in float32 (more than this machine's last-level cache reaches), interleaved; with `against`, the
     codes on AMX tiles or VNNI through those revisions' kernels too."""
     g = torch.Generator().manual_seed(0)
     layouts = {"float32": (False, False, False), "codes, FMA": (True, False, False)}  # (Q4_1, AMX, VNNI)
-    if cpukernel.amx_on():
+    if kernels.amx_on():
         layouts["codes, AMX"] = (True, True, False)
-    elif cpukernel.library().vq_supported():
+    elif kernels.library().vq_supported():
         layouts["codes, VNNI"] = (True, False, True)
     base, fast = list(layouts.items())[-1]
     libs = {name: None for name in layouts}
@@ -237,20 +237,20 @@ def time_q4(shapes: list[str], rows_list: list[int], repeats: int, against: list
     for shape in shapes:
         out_f, in_f = map(int, shape.split("x"))
         count = max(1, total_mb * 2 ** 20 // (4 * out_f * in_f))
-        ws = [cpukernel.q4_1_weight(out_f, in_f, g) for _ in range(count)]
-        for cpukernel.Q4_1, cpukernel.AMX, cpukernel.VNNI in layouts.values():  # every layout made before timing
+        ws = [kernels.q4_1_weight(out_f, in_f, g) for _ in range(count)]
+        for kernels.Q4_1, kernels.AMX, kernels.VNNI in layouts.values():  # every layout made before timing
             for w in ws:
-                cpukernel.packed(w)
+                kernels.packed(w)
         for m in rows_list:
             x = torch.randn(m, in_f, generator=g)
             outs, times = {}, {name: [] for name in layouts}
             for _ in range(repeats):
                 for name in random.sample(list(layouts), len(layouts)):
-                    cpukernel.Q4_1, cpukernel.AMX, cpukernel.VNNI = layouts[name]
+                    kernels.Q4_1, kernels.AMX, kernels.VNNI = layouts[name]
                     lib = libs[name]
                     t0 = time.perf_counter()
                     for w in ws:
-                        y = cpukernel.rows_linear(x, w, None) if lib is None else call(lib, x, w)
+                        y = kernels.rows_linear(x, w, None) if lib is None else call(lib, x, w)
                     times[name].append((time.perf_counter() - t0) / len(ws) * 1e6)
                     outs[name] = y
             assert torch.equal(outs["float32"], outs["codes, FMA"]), (shape, m)
@@ -259,7 +259,7 @@ def time_q4(shapes: list[str], rows_list: list[int], repeats: int, against: list
             med = {name: statistics.median(t) for name, t in times.items()}
             cells = [f"{name} {t:7.1f} ({med['float32'] / t:.2f}x, error {err[name]:.1e})" for name, t in med.items()]
             print(f"{shape} M {m:>3}: " + "  ".join(cells), flush=True)
-    cpukernel.Q4_1, cpukernel.AMX, cpukernel.VNNI = True, True, True
+    kernels.Q4_1, kernels.AMX, kernels.VNNI = True, True, True
 
 
 def main() -> None:
@@ -267,11 +267,11 @@ def main() -> None:
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), help="out x in, e.g. 576x1536")
     ap.add_argument("--rows", nargs="+", type=int, default=[1, 2, 4, 8, 12, 16])
     ap.add_argument("--against", nargs="*", default=[],
-                    help="also time the kernel of these git revisions or copies of eagle/cpukernel.py")
+                    help="also time the kernel of these git revisions or copies of cpu_backend/kernels.py")
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--peak", action="store_true", help="only measure the arithmetic ceiling (FMAs per second)")
     ap.add_argument("--attention", nargs="*", type=int, metavar="KEYS",
-                    help="only time attention (cpukernel.attend against sdpa with the query heads folded, as "
+                    help="only time attention (kernels.attend against sdpa with the query heads folded, as "
                          "eagle.attention falls back to) at these cached lengths, for --rows query rows")
     ap.add_argument("--screen", action="store_true",
                     help="only time greedy tokens from SmolLM2's lm_head: the int8 screen against the whole lm_head")
@@ -310,7 +310,7 @@ def main() -> None:
         time_attention(args.attention or [256, 512], args.rows, args.repeats, args.against)
         return
     torch.manual_seed(0)
-    layouts = {"F.linear": lambda x, w: F.linear(x, w), "kernel": lambda x, w: cpukernel.rows_linear(x, w, None)}
+    layouts = {"F.linear": lambda x, w: F.linear(x, w), "kernel": lambda x, w: kernels.rows_linear(x, w, None)}
     for rev in args.against:
         layouts[Path(rev).stem[-16:]] = lambda x, w, lib=kernel_at(rev): call(lib, x, w)
     result: dict = {}

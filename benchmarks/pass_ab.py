@@ -2,16 +2,16 @@
 
     .venv/bin/python benchmarks/pass_ab.py --against HEAD~1 --rows 1 4 8 16
 
-The Python side of the fast path (`eagle/fastlinear.py`: which forwards are patched and how they call the kernels)
+The Python side of the fast path (`cpu_backend/fastpath.py`: which forwards are patched and how they call the kernels)
 is taken from the revision; the C kernels and everything else are this tree's, so the comparison isolates the
-patched forwards. With `--kernel` the revision's C kernels (`eagle/cpukernel.py`) are used for its variant too,
+patched forwards. With `--kernel` the revision's C kernels (`cpu_backend/kernels.py`) are used for its variant too,
 each variant with the layout plan calibrated for its kernels:
 
     .venv/bin/python benchmarks/pass_ab.py --against HEAD --kernel --rows 1 2 4 8 16 32
  Four variants are timed, interleaved round by round (order reversed every other round), after
 a KV cache of --context tokens: the revision's, this tree's without its one-call decoder layers (each layer runs
 its patched norms, attention and MLP), this tree's with each layer in one call but not all layers in one call
-(`cpukernel.decoder_stack`), and this tree's.
+(`kernels.decoder_stack`), and this tree's.
 The table shows ms per pass (features and logits of every row, speed.py's `pass_ms`) for each number of new
 tokens.
 """
@@ -27,13 +27,14 @@ from pathlib import Path
 
 import torch
 
-from eagle import attention, fastlinear, load_target
+from cpu_backend import fastpath
+from eagle import attention, load_target
 from infer import SpeculativeDecoder
 from speed import pass_ms, real_text  # benchmarks/speed.py: one target pass after `context` tokens of real text
 
 
 def module_at(rev: str, path: str):
-    """`path` (e.g. eagle/fastlinear.py) as it was at git revision `rev`, imported as a module of its own."""
+    """`path` (e.g. cpu_backend/fastpath.py) as it was at git revision `rev`, imported as a module of its own."""
     root = Path(__file__).resolve().parent.parent
     src = subprocess.run(["git", "show", f"{rev}:{path}"], check=True, capture_output=True, text=True,
                          cwd=root).stdout
@@ -45,17 +46,17 @@ def module_at(rev: str, path: str):
 
 
 def fastlinear_at(rev: str, kernel: bool = False):
-    """eagle/fastlinear.py as it was at `rev`; with `kernel`, calling the C kernels of that revision too (its
-    eagle/cpukernel.py, built into the kernel cache under its own key)."""
-    module = module_at(rev, "eagle/fastlinear.py")
+    """cpu_backend/fastpath.py as it was at `rev`; with `kernel`, calling the C kernels of that revision too (its
+    cpu_backend/kernels.py, built into the kernel cache under its own key)."""
+    module = module_at(rev, "cpu_backend/fastpath.py")
     if kernel:
-        module.cpukernel = module_at(rev, "eagle/cpukernel.py")
+        module.kernels = module_at(rev, "cpu_backend/kernels.py")
     return module
 
 
 def use_kernels_of(module) -> None:
-    """Route gqa_sdpa's attention kernel through the cpukernel module that fastlinear `module` calls."""
-    attention.cpukernel = module.cpukernel
+    """Route gqa_sdpa's attention kernel through the kernels module that fastpath `module` calls."""
+    attention.kernels = module.kernels
 
 
 def unfuse(model: torch.nn.Module, layers: bool) -> None:
@@ -82,20 +83,20 @@ def main() -> None:
     dec = SpeculativeDecoder(target, None)
     text = real_text(dec, args.data, args.context + max(args.rows))
     dec.use_fast_path(True)  # gqa attention on, and the plan decoding uses (calibrated once per machine)
-    plan = fastlinear.load_or_calibrate(target.model, run=dec._calibration_pass)
+    plan = fastpath.load_or_calibrate(target.model, run=dec._calibration_pass)
     old = fastlinear_at(args.against, kernel=args.kernel)
-    plans = {fastlinear: plan, old: plan}
+    plans = {fastpath: plan, old: plan}
     if args.kernel:  # the revision's kernels get the plan calibrated for them
-        fastlinear.disable_fast_linear(target.model)
+        fastpath.disable_fast_linear(target.model)
         use_kernels_of(old)
         plans[old] = old.load_or_calibrate(target.model, run=dec._calibration_pass)
-    variants = {args.against: (old, None), "this tree, layers not in one call": (fastlinear, "layers"),
-                "this tree, each layer in one call": (fastlinear, "stack"), "this tree": (fastlinear, None)}
+    variants = {args.against: (old, None), "this tree, layers not in one call": (fastpath, "layers"),
+                "this tree, each layer in one call": (fastpath, "stack"), "this tree": (fastpath, None)}
     times: dict[tuple[str, int], list[float]] = {(v, r): [] for v in variants for r in args.rows}
     for rnd in range(args.rounds):
         order = list(variants.items())
         for name, (module, unfused) in order if rnd % 2 == 0 else order[::-1]:
-            fastlinear.disable_fast_linear(target.model)
+            fastpath.disable_fast_linear(target.model)
             use_kernels_of(module)
             module.enable_fast_linear(target.model, plans[module])
             if unfused:

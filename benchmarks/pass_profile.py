@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/pass_profile.py --rows 1 4 8 16
 
 Forward hooks time every decoder layer's parts (the attention module as a whole: its four projections, rotary
-embedding, cache update and the attention itself, since the fused forward of eagle.fastlinear calls three of the
+embedding, cache update and the attention itself, since the fused forward of cpu_backend.fastpath calls three of the
 projections directly; the MLP; the two norms), the final norm, the embedding and the lm_head; "other" is the pass
 minus all of them (the model's own glue: masks, position embeddings, residual sums, Python).
 Fast path on, with the layouts decoding uses (`SpeculativeDecoder.use_fast_path`). Passes with different M are
@@ -26,7 +26,7 @@ from infer.cache import TargetCache
 
 def part_of(name: str) -> str | None:
     leaf = name.rsplit(".", 1)[-1]
-    if leaf == "self_attn":  # the whole module: its projections are not always called as modules (fastlinear)
+    if leaf == "self_attn":  # the whole module: its projections are not always called as modules (fastpath)
         return "attention (projections, rotary, cache, attend)"
     if leaf == "mlp":
         return "mlp"

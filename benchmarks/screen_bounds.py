@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/screen_bounds.py --target smollm2-135m --num-prompts 6 --tokens 40
 
-The greedy screen (`cpukernel.screen_argmax`) reads the lm_head in int8 with a scale per row and keeps every row
+The greedy screen (`kernels.screen_argmax`) reads the lm_head in int8 with a scale per row and keeps every row
 whose estimate plus |x| |w - s q| (Cauchy-Schwarz) reaches the largest estimate minus its own bound; only those are
 summed in float32. Fewer bits would read fewer bytes, if the bound still left few rows. This takes the final hidden
 states of our greedy continuations of MT-bench first turns and counts, for each position, the rows the bound keeps

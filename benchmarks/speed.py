@@ -8,10 +8,10 @@ Parts (every timing is a median over repeats, methods interleaved so machine noi
 1. memory: read bandwidth (a 256 MB sum) and the bytes of the target's weights, i.e. the floor of one step;
 2. the cost of one target pass over M new tokens after a KV cache of --context tokens, M = 1..32, on text the
    target wrote itself (a verification pass of a chain it agrees with): stock (linear layers and sdpa), the fast
-   path (the measured layouts of eagle.fastlinear and eagle.attention's gqa_sdpa) with the whole float32 lm_head,
+   path (the measured layouts of cpu_backend.fastpath and eagle.attention's gqa_sdpa) with the whole float32 lm_head,
    the fast path with greedy tokens through the int8 screen, that with weights in GGUF Q4_1 form read as their
    codes on the FMA path, and on AMX tiles or in VNNI byte products where the CPU has them (the default;
-   `cpukernel.Q4_1`, `cpukernel.AMX`, `cpukernel.VNNI`);
+   `kernels.Q4_1`, `kernels.AMX`, `kernels.VNNI`);
    the ratio to M = 1 (what verifying M tokens costs);
 3. thread scaling of the same pass at M = 1 and 8;
 4. the prompts: HF generate and HF prompt lookup (stock layers, as users run them), our greedy with stock layers,
@@ -34,7 +34,8 @@ import time
 import torch
 
 from chain import hf_generate  # benchmarks/chain.py: transformers' generate with the stock layers
-from eagle import cpukernel, load_target
+from cpu_backend import kernels
+from eagle import load_target
 from infer import SpeculativeDecoder
 from infer.cache import TargetCache
 from infer.evaluate import load_prompts
@@ -67,7 +68,7 @@ def real_text(dec: SpeculativeDecoder, data: str, length: int) -> list[int]:
 def use_codes(q4: bool, fast: bool) -> None:
     """GGUF weights read as their codes (`q4`), multiplied on AMX tiles or in VNNI byte products where the CPU has
     them (`fast`), else on the FMA path."""
-    cpukernel.Q4_1, cpukernel.AMX, cpukernel.VNNI = q4, fast, fast
+    kernels.Q4_1, kernels.AMX, kernels.VNNI = q4, fast, fast
 
 
 def pass_ms(dec: SpeculativeDecoder, text: list[int], context: int, rows_list: list[int], repeats: int,
@@ -142,11 +143,11 @@ def main() -> None:
     # and weights in GGUF Q4_1 form are read as codes: 0.625 bytes a weight instead of 4 (640 bytes a group of 1,024);
     # in Q8_0 form (Q8_0, Q5_0, Q4_0 tensors) 1.0625 (1,088 bytes a group); K-quant codes 1.5 (1,536)
     def saved(p: torch.Tensor) -> float:  # bytes a weight not read
-        if cpukernel.q4_1_codes(p) is not None:
+        if kernels.q4_1_codes(p) is not None:
             return 4 - 0.625
-        if cpukernel.q8_0_codes(p) is not None:
+        if kernels.q8_0_codes(p) is not None:
             return 4 - 1.0625
-        return 4 - 1.5 if cpukernel.kquant_codes(p) is not None else 0
+        return 4 - 1.5 if kernels.kquant_codes(p) is not None else 0
 
     read_bytes = screened_bytes - sum(p.numel() * saved(p) for p in target.model.parameters()
                                       if p.dim() == 2 and p is not lm)
@@ -163,7 +164,7 @@ def main() -> None:
                 curves[name][r].append(ms)
     curve = {name: {r: statistics.median(v) for r, v in c.items()} for name, c in curves.items()}
     print("| new tokens M | stock ms | fast, whole lm_head ms | fast, float32 weights ms | fast, codes on FMAs ms | "
-          f"fast ms (AMX: {cpukernel.amx_on()}) | fast / fast(M=1) | codes on FMAs / (M=1) |")
+          f"fast ms (AMX: {kernels.amx_on()}) | fast / fast(M=1) | codes on FMAs / (M=1) |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r} | {curve['stock'][r]:.1f} | {curve['fast_whole_lm_head'][r]:.1f} | "
@@ -243,7 +244,7 @@ def main() -> None:
         "speedup_vs_hf_generate": {m: tps[m] / tps["hf_generate"] for m in methods},
         "verify_cost_ratio_k8": curve["fast"][8] / curve["fast"][1],
         "verify_cost_ratio_k16": curve["fast"][16] / curve["fast"][1],
-        "amx": cpukernel.amx_on(), "vnni": cpukernel.vnni_on(),
+        "amx": kernels.amx_on(), "vnni": kernels.vnni_on(),
         "verify_cost_ratio_k8_stock": curve["stock"][8] / curve["stock"][1],
         "pass_ms": curve, "threads_pass_ms": scaling,
         "spec_round_ms": {k: 1e3 * v / max(passes, 1) for k, v in round_s.items()},

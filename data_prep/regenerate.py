@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 import torch
 from tqdm import tqdm
 
+import cpu_backend
 from data_prep.render import SkipRow, check_chat_template, render_text
 from eagle.attention import use_gqa_sdpa
-from eagle.fastlinear import disable_fast_linear, enable_fast_linear, fast_linear_enabled
 from eagle.target import preallocated_cache
 
 
@@ -167,19 +167,19 @@ def regenerate_with_stats(target, conversations: list[list[dict]], max_new_token
 
     total = sum(min(len(u), n_turns) for _, u in parts)
     bar = tqdm(total=total, desc="regenerate", unit="reply")
-    patched = target.device.type == "cpu" and not fast_linear_enabled(target.model)
-    if patched:  # batched decoding steps multiply each weight by <= batch_size rows: the measured layouts help
-        enable_fast_linear(target.model)
     # a step's left-padded batch brings a mask, with which `sdpa` copies the cache per query head; gqa_sdpa reads it
     # in place (eagle.attention)
     switched = target.model.config._attn_implementation == "sdpa" and use_gqa_sdpa(target.model, True)
+    patched = cpu_backend.applies(target.model) and not cpu_backend.enabled(target.model)
+    if patched:  # batched decoding steps multiply each weight by <= batch_size rows: the measured layouts help
+        cpu_backend.enable(target.model, gguf=target.source)
     try:
         _regenerate_turns(target, parts, done, active, result, bar, n_turns, max_new_tokens, batch_size,
                           max_prompt_tokens, pad_id, eos, t0, keep_features,
                           None if max_seconds is None else t0 + max_seconds)
     finally:
         if patched:
-            disable_fast_linear(target.model)
+            cpu_backend.disable(target.model)
         if switched:
             use_gqa_sdpa(target.model, False)
     bar.close()

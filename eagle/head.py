@@ -18,9 +18,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from eagle import cpukernel
-from eagle.attention import MAX_ROWS as ATTENTION_ROWS
-from eagle.fastlinear import linear_as
 
 SHARED_PREFIXES = ("embed_tokens.", "lm_head.")
 
@@ -85,7 +82,6 @@ class RMSNorm(nn.Module):
         return self.weight * (x * torch.rsqrt(var + self.eps))
 
 
-LAYER_IN_ONE_CALL = True  # drafting on the CPU: each decoder layer in one C call (else its parts, attention in C)
 _ROPE_TABLES: dict = {}  # (head_dim, theta, dtype, device) -> cos, sin [positions, head_dim]
 
 
@@ -170,50 +166,27 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.nh * self.hd, cfg.hidden_size, bias=False)
 
     def forward(self, x, cos, sin, cache: HeadCache | None, layer: int, mask: torch.Tensor | None):
-        if _kernel_fits(x, self.hd):
-            return self._forward_kernel(x, cos, sin, cache, layer, mask)
         B, T, _ = x.shape
-        q, k, v, mask = self._qkv(x, cos, sin, cache, layer, mask, rope_in_c=False)
+        q, k, v = (t.view(B, T, -1, self.hd).transpose(1, 2) for t in (self.q_proj(x), self.k_proj(x), self.v_proj(x)))
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        k, v, mask = self.with_cache(k, v, cache, layer, mask)
         if self.nkv != self.nh:
             k = k.repeat_interleave(self.nh // self.nkv, dim=1)
             v = v.repeat_interleave(self.nh // self.nkv, dim=1)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.nh * self.hd))
 
-    def _forward_kernel(self, x, cos, sin, cache: HeadCache | None, layer: int, mask: torch.Tensor | None):
-        """Drafting on the CPU: the same steps with the rotary embedding and the attention in C (grouped key /
-        value heads read in place, no copy of the cache per query head)."""
-        B, T, _ = x.shape
-        q, k, v, mask = self._qkv(x, cos, sin, cache, layer, mask, rope_in_c=True)
-        out = cpukernel.attend(q, k, v, None if mask is None else mask.view(1, 1, *mask.shape[-2:]), self.hd ** -0.5)
-        return self.o_proj(out.view(B, T, self.nh * self.hd))
-
-    def _qkv(self, x, cos, sin, cache: HeadCache | None, layer: int, mask: torch.Tensor | None, rope_in_c: bool):
-        """q, k, v [B, heads, T, D] after the rotary embedding (one C call per tensor, or torch's ops), k and v with
-        the cached entries in front; and the mask (when none is given: causal over the new tokens, everything
-        cached before them visible)."""
-        B, T, _ = x.shape
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        if rope_in_c:
-            q = cpukernel.rope_(q.contiguous(), cos[:, 0], sin[:, 0], self.hd)  # cos / sin [B, 1, T, D]
-            k = cpukernel.rope_(k.contiguous(), cos[:, 0], sin[:, 0], self.hd)
-        q, k, v = (t.view(B, T, -1, self.hd).transpose(1, 2) for t in (q, k, v))
-        if not rope_in_c:
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
-        past = 0
+    def with_cache(self, k, v, cache: HeadCache | None, layer: int, mask: torch.Tensor | None):
+        """k and v [B, kv_heads, T, D] with the cached entries in front (written into `cache` at its length), and
+        the mask: when none is given, causal over the new tokens, everything cached before them visible."""
+        T, past = k.shape[2], 0
         if cache is not None:
             past = cache.length
             k, v = cache.write(layer, k, v, past)
         if mask is None and T > 1:
-            mask = torch.ones(T, past + T, dtype=torch.bool, device=x.device).tril(past)
-        return q, k, v, mask
-
-
-def _kernel_fits(x: torch.Tensor, head_dim: int) -> bool:
-    """Whether a head attention call can take the C kernels: inference on the CPU in float32, a few rows."""
-    return (not (torch.is_grad_enabled() and x.requires_grad) and x.is_cpu and x.dtype == torch.float32
-            and x.shape[1] <= ATTENTION_ROWS and head_dim % 8 == 0 and head_dim <= 1024 and cpukernel.available())
+            mask = torch.ones(T, past + T, dtype=torch.bool, device=k.device).tril(past)
+        return k, v, mask
 
 
 class MLP(nn.Module):
@@ -239,30 +212,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x, cos, sin, cache, layer, mask):
-        if LAYER_IN_ONE_CALL and cache is not None and x.shape[0] == 1 and _kernel_fits(x, self.self_attn.hd):
-            return self._forward_kernel(x, cos, sin, cache, layer, mask)
         a = x if self.input_layernorm is None else self.input_layernorm(x)
         h = x + self.self_attn(a, cos, sin, cache, layer, mask)
         return h + self.mlp(self.post_attention_layernorm(h))
-
-    def _forward_kernel(self, x, cos, sin, cache: HeadCache, layer: int, mask: torch.Tensor | None):
-        """Drafting on the CPU: the whole layer in one C call (`cpukernel.decoder_layer`: the same norms, products,
-        rotary embedding and attention as the C paths of the steps above), the new keys and values written into
-        the cache's buffers in place."""
-        attn, norm1, norm2, mlp = self.self_attn, self.input_layernorm, self.post_attention_layernorm, self.mlp
-        T, past = x.shape[1], cache.length
-        k_buf, v_buf = cache.buffers(layer, x, (1, attn.nkv), attn.hd, past, past + T)
-        if mask is None and T > 1:
-            mask = torch.ones(T, past + T, dtype=torch.bool).tril(past)
-        if mask is not None:
-            mask = mask.reshape(1, 1, *mask.shape[-2:])
-            mask = mask if mask.stride(-1) == 1 else mask.contiguous()
-        return cpukernel.decoder_layer(
-            x.contiguous(), (None if norm1 is None else norm1.weight, norm1.eps if norm1 else 0.0, norm2.weight,
-                             norm2.eps),
-            (attn.q_proj.weight, None, attn.k_proj.weight, None, attn.v_proj.weight, None, attn.o_proj.weight, None),
-            (mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight), attn.nh, attn.nkv, attn.hd,
-            cos[:, 0], sin[:, 0], k_buf, v_buf, past, mask, attn.hd ** -0.5)
 
 
 class EagleHead(nn.Module):
@@ -343,12 +295,19 @@ class EagleHead(nn.Module):
         return x
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Draft logits over the draft vocabulary (the full target vocabulary unless reduced), in the layout of the
-        target's lm_head when the fast path is on (eagle.fastlinear)."""
-        out = linear_as(self.lm_head, hidden, self.draft_lm_weight)
-        if self.config.logit_softcap:
-            out = torch.tanh(out / self.config.logit_softcap) * self.config.logit_softcap
-        return out
+        """Draft logits over the draft vocabulary (the full target vocabulary unless reduced): an EAGLE-1/2 head
+        predicts target features, so they are the target's logits of its prediction."""
+        return self.target_logits(hidden)
+
+    def target_logits(self, features: torch.Tensor) -> torch.Tensor:
+        """The target's logits over the draft vocabulary for target features [..., H]: its lm_head rows of the draft
+        vocabulary (what training takes p from)."""
+        return self.cap(F.linear(features, self.draft_lm_weight))
+
+    def cap(self, logits: torch.Tensor) -> torch.Tensor:
+        """The target's logit soft-capping (Gemma-2's), where it has one."""
+        c = self.config.logit_softcap
+        return torch.tanh(logits / c) * c if c else logits
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return self.d2t[draft_ids] if self.config.draft_vocab_size else draft_ids
@@ -430,8 +389,7 @@ class Eagle3Head(EagleHead):
 
     def init_from_target_lm_head(self, target) -> None:
         """Start the draft lm_head from the target's rows of the draft vocabulary and the readout norm from the
-        target's final norm: the head starts with the target's own readout `lm_head(norm(h))` (BENCHMARKS.md,
-        seventeenth session)."""
+        target's final norm: the head starts with the target's own readout `lm_head(norm(h))`."""
         with torch.no_grad():
             self.draft_head.weight.copy_(self.lm_head.weight[self.d2t].to(self.draft_head.weight.dtype))
             gain = final_norm_gain(target)

@@ -20,15 +20,12 @@ import math
 import os
 import shutil
 import time
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
 from transformers.cache_utils import DynamicCache, DynamicLayer
-
-from eagle import gguf_codes
 
 
 class TargetError(ValueError):
@@ -191,6 +188,7 @@ class TargetModel:
     name: str
     model: nn.Module  # the *ForCausalLM
     tokenizer: object
+    source: Path | None = None  # the GGUF file it was converted from (its K-quant codes serve the CPU backend)
 
     def __post_init__(self):
         self.base = self.model.get_decoder()  # the stack of decoder layers + final norm
@@ -306,8 +304,7 @@ class PreallocatedLayer(DynamicLayer):
 
     _k = _v = None  # the buffers [B, kv_heads, capacity, D], or None: keys / values are the tensors assigned
     length = 0  # positions filled, while there are buffers
-    # buffers made or dropped so far by any layer (`eagle.fastlinear` and `infer.cache` keep their addresses until it
-    # changes)
+    # buffers made or dropped so far by any layer (the CPU backend keeps their addresses until it changes)
     buffers_made = 0
 
     @property
@@ -411,11 +408,6 @@ def load_target(name: str, device: str | torch.device = "cpu", dtype: torch.dtyp
         where = "" if isinstance(src, Path) else "no such local path, and as a hub id: "
         raise TargetError(f"target {name!r} could not be loaded: {where}{str(e).splitlines()[0]}") from None
     model.to(device).eval().requires_grad_(False)
-    if src is not gguf and torch.device(device).type == "cpu" and dtype == torch.float32:
-        try:  # K-quant tensors' codes, for the CPU kernels (eagle.gguf_codes); without them, float32 copies
-            gguf_codes.attach(model, gguf)
-        except Exception as e:  # noqa: BLE001 (only speed is at stake)
-            warnings.warn(f"{gguf}: K-quant codes not read ({type(e).__name__}: {e}); float32 weights are used")
     if name in ALIAS_TEMPLATES and not tok.chat_template:
         tok.chat_template = ALIAS_TEMPLATES[name]
-    return TargetModel(name=name, model=model, tokenizer=tok)
+    return TargetModel(name=name, model=model, tokenizer=tok, source=gguf if src is not gguf else None)

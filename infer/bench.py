@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from cpu_backend import CPUConfig
 from eagle import load_target
 from infer.decoder import DecodeConfig, SpeculativeDecoder, check_config
 from infer.evaluate import EvalError, load_prompts
@@ -43,6 +44,7 @@ class BenchConfig:
     num_prompts: int = 8
     spread: bool = True  # prompts evenly spaced over the file (MT-bench's file is sorted by category)
     decode: DecodeConfig = field(default_factory=DecodeConfig)  # what every candidate shares
+    cpu: CPUConfig = field(default_factory=CPUConfig)  # the CPU backend's switches (flat flags: --no-fast-path)
     sweep_k: list[int] = field(default_factory=lambda: [1, 2, 3, 4, 5, 6])
     sweep_dynamic: list[str] = field(default_factory=lambda: ["2:3:4", "4:3:8", "4:4:8", "8:4:16"])
     sweep_lookup: list[int] = field(default_factory=lambda: [0, 5, 8])  # 0: the head's drafts alone
@@ -126,8 +128,8 @@ def bench(cfg: BenchConfig, decoder: SpeculativeDecoder | None = None) -> BenchR
     prompts = load_prompts(cfg.data, cfg.num_prompts, cfg.spread)
     dec = decoder or SpeculativeDecoder.from_pretrained(load_target(cfg.target), cfg.draft or None,
                                                         draft_model=cfg.draft_model or None)
-    dec.config = cfg.decode
-    alone = SpeculativeDecoder(dec.target, None, config=cfg.decode)  # prompt lookup without the head
+    dec.config, dec.cpu = cfg.decode, cfg.cpu
+    alone = SpeculativeDecoder(dec.target, None, config=cfg.decode, cpu=cfg.cpu)  # prompt lookup without the head
     sampling = cfg.decode.temperature > 0
     n = cfg.decode.max_new_tokens
 

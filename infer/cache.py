@@ -5,20 +5,25 @@ internals change between releases. The cache is a `DynamicCache` built without t
 keeps all positions (no sliding-window eviction); positions are then plain indices along the sequence axis. Its
 layers write new keys and values into a buffer that grows by doubling (gpt-fast style) instead of concatenating
 (a copy of the whole cache per layer per step). crop only moves the length; compact moves just the accepted
-rows that are not in place yet (every layer's in one C call, `cpukernel.kv_compact`, where the kernel is built).
+rows that are not in place yet, with torch's indexing or a faster `move` given by the caller (the CPU backend's
+`compact_kv`: every layer's in one C call).
 """
 
 from __future__ import annotations
 
 import torch
 
-from eagle import cpukernel
+from collections.abc import Callable
+
 from eagle.target import PreallocatedLayer, preallocated_cache
 
 
 class TargetCache:
-    def __init__(self, preallocate: bool = True):
+    def __init__(self, preallocate: bool = True, move: Callable | None = None):
+        """`move(layers, start, keep) -> bool`: moves every layer's rows start + keep down to start, start + 1, ...
+        where it can (returning False where it cannot), instead of torch's indexing."""
         self.hf = preallocated_cache(preallocate)
+        self.move = move
 
     def reserve(self, target, n: int) -> None:
         """Every layer with buffers for n positions now, before the first pass (which transformers' cache would
@@ -57,32 +62,10 @@ class TargetCache:
         """
         m = keep.shape[0]
         contiguous = bool(keep[-1].item() == m - 1)  # a chain's accepted path is a prefix: nothing to move
-        if not contiguous:
-            table = self._buffer_table()
-            if table is not None:  # every layer's keys and values moved in one C call
-                cpukernel.kv_compact(table, start, keep.to(torch.int64).contiguous())
-            else:
-                for layer in self._layers():
-                    keys, values = layer.keys, layer.values
-                    src = start + keep.to(keys.device)
-                    keys[..., start:start + m, :] = keys.index_select(-2, src)
-                    values[..., start:start + m, :] = values.index_select(-2, src)
+        if not contiguous and not (self.move is not None and self.move(self.hf.layers, start, keep)):
+            for layer in self._layers():
+                keys, values = layer.keys, layer.values
+                src = start + keep.to(keys.device)
+                keys[..., start:start + m, :] = keys.index_select(-2, src)
+                values[..., start:start + m, :] = values.index_select(-2, src)
         self.crop(start + m)
-
-    def _buffer_table(self) -> torch.Tensor | None:
-        """`cpukernel.kv_compact`'s table of every layer's key and value buffers where the kernel is built and every
-        layer is a PreallocatedLayer of one sequence with float32 buffers on the CPU (else None); made again when
-        any buffer was made since (`PreallocatedLayer.buffers_made`)."""
-        layers = self.hf.layers
-        kept = self.__dict__.get("_table")
-        if kept is not None and kept[0] == (PreallocatedLayer.buffers_made, len(layers)):
-            return kept[1]
-        table = None
-        if layers and cpukernel.available() and all(
-                type(layer) is PreallocatedLayer and layer._k is not None and layer._k.shape[0] == 1
-                and layer._k.dtype == torch.float32 and layer._k.is_cpu and layer._k.stride(3) == 1
-                and layer._v.stride() == layer._k.stride() for layer in layers):
-            table = torch.tensor([[t.data_ptr(), t.shape[1], t.stride(1), t.stride(2), t.shape[3]]
-                                  for layer in layers for t in (layer._k, layer._v)], dtype=torch.int64)
-        self._table = ((PreallocatedLayer.buffers_made, len(layers)), table)
-        return table

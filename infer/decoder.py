@@ -23,15 +23,14 @@ from pathlib import Path
 
 import torch
 
+import cpu_backend
+from cpu_backend import CPUConfig
 from eagle import EagleHead, TargetModel, load_target
-from eagle import cpukernel
-from eagle.attention import MAX_ROWS as PREFILL_CHUNK  # rows per prefill pass with the fast path: the C attention's
 from eagle.attention import use_gqa_sdpa
-from eagle.fastlinear import disable_fast_linear, enable_fast_linear, fast_linear_enabled
 from infer import tree
 from infer.cache import TargetCache
 from infer.proposer import Draft, EagleProposer, LookupProposer, ModelProposer, load_choices
-from infer.sampling import accept_greedy, accept_sampled, greedy_tokens, process, sample, screen_fits
+from infer.sampling import accept_greedy, accept_sampled, greedy_tokens, process, sample
 
 
 @dataclass
@@ -66,14 +65,6 @@ class DecodeConfig:
     # chat template for string prompts: "auto" (the target's own; a target without one gets the raw text, said once),
     # "none" (the raw text), a file holding a Jinja template, or the template itself (a string with {{ or {%)
     chat_template: str = "auto"
-    # the fast path: on CPU, the target's and the head's linear layers run through the measured matmul layouts
-    # (eagle.fastlinear); on any device, tree-masked passes keep grouped key/value heads packed (eagle.attention)
-    fast_linear: bool = True
-    # with the fast path, greedy tokens read the lm_head in int8 and recompute in float32 only the few rows that can
-    # be the largest: the argmax of the kernel's logits, bit for bit, for a quarter of the lm_head's bytes
-    # (eagle.cpukernel.screen_argmax), and so do an EAGLE-1/2 head's greedy chain drafts over its draft rows;
-    # sampling reads the whole lm_head as before
-    screen_argmax: bool = True
 
 
 @dataclass
@@ -172,50 +163,54 @@ def verify_mask(prefix_len: int, node_mask: torch.Tensor, dtype: torch.dtype) ->
 
 class SpeculativeDecoder:
     def __init__(self, target: TargetModel, head: EagleHead | None, config: DecodeConfig | None = None,
-                 proposer=None):
+                 proposer=None, cpu: CPUConfig | None = None):
         self.target, self.head = target, head
         self.config = config or DecodeConfig()
+        self.cpu = cpu or CPUConfig()  # the CPU backend's switches
         if head is not None:
             head.attach(target)
         self.proposer = proposer or (EagleProposer(head) if head is not None else None)
         # EAGLE-3 heads read several target layers; EAGLE-1/2 heads the last features
         self._head_layers = (list(head.config.feature_layer_ids)
                              if head is not None and head.config.head_type == "eagle3" else None)
-        self._screen = False  # use_fast_path: greedy tokens may go through cpukernel.screen_argmax
-        self._chunked_prefill = False  # use_fast_path: prompts read in chunks of cached passes (`_prefill`)
+        self._fast = False  # use_fast_path: the CPU backend runs the target (and the head, a draft model)
+        self._screen = None  # use_fast_path: the backend's Screen of the target's lm_head, for greedy tokens
         self._said_raw = False  # `encode` has said that the target has no chat template
 
-    def use_fast_path(self, on: bool) -> None:
-        """Patch (or restore) the linear layers of the target and the head in place; the first call on a machine
-        calibrates for a few seconds (eagle.fastlinear). The target's `sdpa` attention becomes `gqa_sdpa`
-        (eagle.attention: tree-masked passes without copying the KV cache per query head). `generate` and `stream`
-        call it with the config's `fast_linear`; call it yourself to time the target's passes as decoding runs them."""
+    def use_fast_path(self, on: bool, screen: bool = True) -> None:
+        """Turn the CPU backend on (or off) for the target, the head and a draft model, where their weights are on
+        the CPU (`cpu_backend.enable`: measured layouts, C kernels; the first call on a machine calibrates for a few
+        seconds); with `screen`, greedy tokens through the backend's int8 screen. On any device the target's `sdpa`
+        attention becomes `gqa_sdpa` (eagle.attention: tree-masked passes without copying the KV cache per query
+        head). `generate` and `stream` call it with `cpu.fast_path` and `cpu.screen_argmax`; call it yourself to
+        time the target's passes as decoding runs them."""
         use_gqa_sdpa(self.target.model, on)
-        lm = self.target.lm_head
-        self._screen = on and screen_fits(self.target)
-        self._chunked_prefill = on and self.target.device.type == "cpu"
-        if self._screen:
-            for rows in (1, 16):  # made now (~1 s each for SmolLM2), not in the first timed token
-                cpukernel.screen_tables(lm.weight, rows)
-        if self.head is not None:  # the head's own products in int8 / bfloat16 where the kernel can (not the
-            shared = {id(p) for p in self.target.model.parameters()}  # target's)
-            cpukernel.draft_precision([m.weight for m in self.head.modules() if isinstance(m, torch.nn.Linear)
-                                       and id(m.weight) not in shared], on)
-        draft_model = getattr(self.proposer, "model", None)  # a ModelProposer's small LM
-        for model in (self.target.model, self.head, None if draft_model is None else draft_model.model):
+        self._fast = on and cpu_backend.applies(self.target.model)
+        draft_model = getattr(self.proposer, "model", None)  # a ModelProposer's small LM (a TargetModel)
+        models = [(self.target.model, self.target.source), (self.head, None),
+                  (None, None) if draft_model is None else (draft_model.model, draft_model.source)]
+        for model, gguf in models:
             if model is None:
                 continue
-            if on and self.target.device.type == "cpu" and not fast_linear_enabled(model):
-                enable_fast_linear(model, run=self._calibration_pass if model is self.target.model else None)
-            elif not on:
-                disable_fast_linear(model)
+            if self._fast and not cpu_backend.enabled(model):
+                cpu_backend.enable(model, run=self._calibration_pass if model is self.target.model else None,
+                                   gguf=gguf, drafts=model is self.head)
+            elif not self._fast:
+                cpu_backend.disable(model)
+        self._screen = None
+        if self._fast and screen and not self.target.softcap and self.target.lm_head.weight.dtype == torch.float32:
+            self._screen = cpu_backend.Screen.of(self.target.lm_head)
+            for rows in (1, 16):  # made now (~1 s each for SmolLM2), not in the first timed token
+                self._screen and self._screen.prepare(rows)
 
     @classmethod
     def from_pretrained(cls, target: str | TargetModel, draft: str | EagleHead | None = None,
                         device: str = "cpu", dtype: torch.dtype = torch.float32,
-                        draft_model: str | TargetModel | None = None, **config) -> "SpeculativeDecoder":
+                        draft_model: str | TargetModel | None = None, cpu: CPUConfig | None = None,
+                        **config) -> "SpeculativeDecoder":
         """`draft`: an EAGLE head (a checkpoint directory); or `draft_model`: a small causal LM with the target's
-        tokenizer (any name `load_target` takes), drafting chains."""
+        tokenizer (any name `load_target` takes), drafting chains. `config`: DecodeConfig's fields; `cpu`: the CPU
+        backend's switches."""
         if isinstance(target, str):
             target = load_target(target, device=device, dtype=dtype)
         if draft is not None and draft_model is not None:
@@ -225,7 +220,7 @@ class SpeculativeDecoder:
         if isinstance(draft_model, str):
             draft_model = load_target(draft_model, device=target.device, dtype=target.dtype)
         proposer = ModelProposer(draft_model, target) if draft_model is not None else None
-        return cls(target, draft, DecodeConfig(**config), proposer=proposer)
+        return cls(target, draft, DecodeConfig(**config), proposer=proposer, cpu=cpu)
 
     @torch.inference_mode()
     def _calibration_pass(self, rows: int, context: int = 128) -> float:
@@ -274,8 +269,8 @@ class SpeculativeDecoder:
 
     # -- public API ----------------------------------------------------------------------------------------
     def generate(self, prompt: str | list[int], max_new_tokens: int | None = None, speculative: bool = True,
-                 generator: torch.Generator | None = None, **config) -> GenerateOutput:
-        stream = self.stream(prompt, max_new_tokens, speculative, generator, **config)
+                 generator: torch.Generator | None = None, cpu: CPUConfig | None = None, **config) -> GenerateOutput:
+        stream = self.stream(prompt, max_new_tokens, speculative, generator, cpu, **config)
         while True:
             try:
                 next(stream)
@@ -283,10 +278,11 @@ class SpeculativeDecoder:
                 return stop.value
 
     def stream(self, prompt: str | list[int], max_new_tokens: int | None = None, speculative: bool = True,
-               generator: torch.Generator | None = None, **config):
+               generator: torch.Generator | None = None, cpu: CPUConfig | None = None, **config):
         """Yield the new tokens of every round; the generator's return value is the GenerateOutput.
         Nothing after a stop (EOS, a stop string, max_new_tokens, the context length) is yielded, even when
-        it was accepted in the same round."""
+        it was accepted in the same round. `config`: DecodeConfig's fields for this call; `cpu`: the CPU backend's
+        switches for it (else the decoder's)."""
         cfg = dataclasses.replace(self.config, **config)
         if max_new_tokens is not None:
             cfg.max_new_tokens = max_new_tokens
@@ -303,7 +299,8 @@ class SpeculativeDecoder:
         if len(prompt_ids) >= self.target.max_length:
             raise ValueError(f"prompt of {len(prompt_ids)} tokens does not fit the target's context of "
                              f"{self.target.max_length} tokens (it must leave room for one new token)")
-        self.use_fast_path(cfg.fast_linear)
+        cpu = cpu or self.cpu
+        self.use_fast_path(cpu.fast_path, cpu.screen_argmax)
         out = GenerateOutput(token_ids=[], text="", prompt_len=len(prompt_ids))
         eos = set(self.target.eos_ids)
         limit = min(cfg.max_new_tokens, self.target.max_length - len(prompt_ids))
@@ -343,35 +340,36 @@ class SpeculativeDecoder:
 
     @property
     def screens_greedy_tokens(self) -> bool:
-        """Whether greedy tokens go through the int8 screen (`greedy_tokens`) where the lm_head's layout allows:
-        set by `use_fast_path`."""
-        return self._screen
+        """Whether greedy tokens go through the backend's int8 screen where the lm_head's layout allows: set by
+        `use_fast_path`."""
+        return self._screen is not None
 
-    def greedy_tokens(self, feats: torch.Tensor, screen: bool = True) -> torch.Tensor:
-        """The target's greedy tokens for features [..., hidden], as decoding takes them: with `screen` and the fast
-        path on, through the int8 screen where the fast path multiplies this many rows by the lm_head in the kernel
-        (the same tokens, bit for bit: `cpukernel.screen_argmax`), else the argmax of the logits."""
-        return greedy_tokens(self.target, feats, screen and self._screen)
+    def greedy_tokens(self, feats: torch.Tensor) -> torch.Tensor:
+        """The target's greedy tokens for features [..., hidden], as decoding takes them: through the backend's
+        screen where `use_fast_path` set one up and it takes this many rows (the same tokens, bit for bit), else the
+        argmax of the logits."""
+        return greedy_tokens(self.target, feats, self._screen)
 
     def _next_token(self, feats: torch.Tensor, cfg: DecodeConfig, generator) -> torch.Tensor:
         """The target's token after one row of features: its argmax, or a draw from p."""
         if cfg.temperature > 0:
             p = process(self.target.logits(feats).view(1, -1), cfg.temperature, cfg.sampling_top_k, cfg.top_p)[0]
             return torch.tensor([sample(p.cpu(), generator)], device=feats.device)
-        return self.greedy_tokens(feats.view(1, -1), cfg.screen_argmax).view(1)
+        return self.greedy_tokens(feats.view(1, -1)).view(1)
 
     def _prefill(self, ids: torch.Tensor, cache: TargetCache,
                  layers: list[int] | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The prompt ids [1, L] read into the cache: the features of every position, and the target `layers`
-        concatenated (`TargetModel.hidden`). With the fast path on the CPU, in chunks of up to PREFILL_CHUNK tokens
-        into a cache whose buffers are made first, the first chunk with an explicit causal mask: the all-layer C call
-        takes every chunk, where the whole prompt at once would go through the layers' own path (BENCHMARKS.md)."""
+        concatenated (`TargetModel.hidden`). With the CPU backend on, in chunks of up to `cpu_backend.PREFILL_ROWS`
+        tokens into a cache whose buffers are made first, the first chunk with an explicit causal mask: the backend's
+        all-layer C call takes every chunk, where the whole prompt at once would go through the layers' own path."""
         t, n = self.target, ids.shape[1]
         pos = torch.arange(n, device=ids.device)[None]
-        if not self._chunked_prefill or n <= 1:
+        if not self._fast or n <= 1:
             return t.hidden(ids, position_ids=pos, cache=cache.hf, layers=layers)
         cache.reserve(t, n)
-        bounds = [0, *range(PREFILL_CHUNK, n, PREFILL_CHUNK), n]
+        chunk = cpu_backend.PREFILL_ROWS
+        bounds = [0, *range(chunk, n, chunk), n]
         parts = []
         for a, b in zip(bounds, bounds[1:]):
             mask = verify_mask(0, torch.ones(b, b, dtype=torch.bool).tril(), t.dtype).to(ids.device) if a == 0 else None
@@ -401,9 +399,11 @@ class SpeculativeDecoder:
         # a copy of the proposer, so that its caches belong to this generation alone: streams of one decoder taken in
         # turns each draft from their own text (the head and its kept layouts are shared)
         q = copy.copy(self.proposer)
+        if q is not None:  # greedy drafts through the backend's screen as greedy tokens are
+            q.screen = self._screen is not None
         if cfg.prompt_lookup_num_tokens > 0:
             q = LookupProposer(q)
-        cache = TargetCache()
+        cache = TargetCache(move=cpu_backend.compact_kv if self._fast else None)
         q.reset(prompt_ids)
         # 1. prefill: the target reads the prompt and emits the root, the first new token
         t0 = time.perf_counter()
@@ -432,7 +432,7 @@ class SpeculativeDecoder:
                 best, nxt = accept_sampled(draft.tokens.cpu(), draft.parents, p, draft.q, generator, draft.lookup,
                                            draft.drafted)
             else:
-                p_argmax = self.greedy_tokens(feats[0], cfg.screen_argmax).cpu()
+                p_argmax = self.greedy_tokens(feats[0]).cpu()
                 best = accept_greedy(draft.tokens.cpu(), p_argmax, draft.parents, depth)
                 nxt = int(p_argmax[best])
             path = tree.path_to(node_mask, best)

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from cpu_backend import CPUConfig
 from eagle import load_target
 from infer.decoder import DecodeConfig, GenerateOutput, SpeculativeDecoder, check_config
 from infer.proposer import load_choices
@@ -50,6 +51,7 @@ class EvalConfig:
     # category, so its first 20 are writing and roleplay only
     spread: bool = False
     decode: DecodeConfig = field(default_factory=DecodeConfig)
+    cpu: CPUConfig = field(default_factory=CPUConfig)  # the CPU backend's switches (flat flags: --no-fast-path)
     warmup: int = 1  # prompts decoded once, unmeasured, before timing starts
     num_threads: int = 0
     # "hf": also decode every prompt greedily with stock transformers, a model loaded on its own (infer.reference),
@@ -201,7 +203,7 @@ def evaluate(cfg: EvalConfig, decoder: SpeculativeDecoder | None = None,
     prompts = load_prompts(cfg.data, cfg.num_prompts, cfg.spread)
     dec = decoder or SpeculativeDecoder.from_pretrained(load_target(cfg.target), cfg.draft or None,
                                                         draft_model=cfg.draft_model or None)
-    dec.config = d
+    dec.config, dec.cpu = d, cfg.cpu
     sampling = d.temperature > 0
     if cfg.reference and reference is None:
         reference = HFReference.load(dec.target.name, device=dec.target.device, dtype=dec.target.dtype)

@@ -34,11 +34,11 @@ from pathlib import Path
 
 import torch
 
-from eagle import EagleHead, HeadCache, TargetModel, cpukernel
-from eagle.fastdraft import GreedySteps
+import cpu_backend
+from eagle import EagleHead, HeadCache, TargetModel
 from infer import tree
 from infer.cache import TargetCache
-from infer.sampling import greedy_tokens, gumbel_top, process, sample, screen_fits, screened_argmax
+from infer.sampling import greedy_tokens, gumbel_top, process, sample
 
 
 @dataclass
@@ -135,12 +135,16 @@ class EagleProposer:
 
     def __init__(self, head: EagleHead):
         self.head, self.cache = head, HeadCache()
+        # greedy drafts through the CPU backend's screen (`cpu_backend.Screen`, and greedy chains in C through
+        # `cpu_backend.greedy_chain`): set by the decoder for each decoding, with the backend on
+        self.screen = False
         self._plans: dict = {}  # FixedPlan of each chain length or static tree drafted so far (copies share it)
-        self._steps: GreedySteps | None | bool = None  # greedy chains' steps: None until built, False: none fit
+        self._steps = None  # the backend's drafting steps in C: None until built, False: none fit
+        self._draft_screen = None  # the Screen of the head's draft rows: None until built, False: none fits
 
     def reset(self, prompt_ids: list[int] | None = None) -> None:
         self.cache = HeadCache()
-        self._steps = None  # built again at the first greedy chain: the kernel settings may have changed
+        self._steps = self._draft_screen = None  # built again when first asked: the kernel settings may have changed
 
     def rollback(self, n: int) -> None:
         """Forget everything past the first n pairs: the drafted entries of the last round."""
@@ -150,9 +154,9 @@ class EagleProposer:
     def propose(self, feats: torch.Tensor, tokens: torch.Tensor, cfg, generator=None) -> Draft:
         head, start = self.head, self.cache.length
         sampling = cfg.temperature > 0
-        steps = (self._greedy_steps() if tokens.shape[1] <= GreedySteps.max_rows and feats.dtype == torch.float32
+        steps = (self._greedy_steps() if tokens.shape[1] <= cpu_backend.PREFILL_ROWS and feats.dtype == torch.float32
                  and feats.is_cpu else None)
-        if steps and cfg.mode == "chain" and not sampling and cfg.screen_argmax:
+        if steps and cfg.mode == "chain" and not sampling and self.screen:
             return self._chain_steps(feats[0].contiguous(), tokens[0], cfg)
         if steps:  # the same C calls as the modules' forward below, without their Python
             steps.read(self.cache, feats[0].contiguous(), tokens[0])
@@ -178,13 +182,15 @@ class EagleProposer:
             self._plans[key] = FixedPlan.build(parents, ranks)
         return self._plans[key]
 
-    def _greedy_steps(self) -> GreedySteps | None:
+    def _greedy_steps(self):
+        """The backend's drafting steps in C for this head (None where its modules would not run them: the backend
+        off, sampling heads, ...)."""
         if self._steps is None:
-            self._steps = GreedySteps.build(self.head) or False
+            self._steps = cpu_backend.greedy_chain(self.head) or False
         return self._steps or None
 
     def _chain_steps(self, feats: torch.Tensor, t: torch.Tensor, cfg) -> Draft:
-        """A greedy chain through `GreedySteps` from the new pairs (feats [T, H] contiguous, t [T]): the draft
+        """A greedy chain through the backend's steps from the new pairs (feats [T, H] contiguous, t [T]): the draft
         `_fixed` makes on a chain plan, bit for bit (the same C calls), at a fraction of its Python. The first step
         reads the new pairs, each next one the token drafted last with the feature predicted for it."""
         steps, plan = self._steps, self._fixed_plan(cfg)
@@ -203,15 +209,17 @@ class EagleProposer:
         return torch.log_softmax(logits.float(), dim=-1)
 
     def _screened_argmax(self, h: torch.Tensor, cfg) -> torch.Tensor | None:
-        """The draft-vocabulary argmax of each row of h through the int8 screen (`cpukernel.screen_argmax`: the
+        """The draft-vocabulary argmax of each row of h through the backend's int8 screen (`cpu_backend.Screen`: the
         argmax of the kernel's logits, bit for bit, for about a quarter of the draft lm_head's bytes) where it applies:
-        greedy with `screen_argmax`, an EAGLE-1/2 head without soft-capping whose logits the fast path multiplies in
-        the kernel for this many rows; else None."""
-        head, w = self.head, self.head.draft_lm_weight
-        if (cfg.temperature > 0 or not cfg.screen_argmax or head.config.head_type != "eagle1"
-                or head.config.logit_softcap or w is None or not cpukernel.available() or not cpukernel.supports(w)):
+        greedy with `screen` on, an EAGLE-1/2 head without soft-capping whose logits the fast path multiplies in the
+        kernel for this many rows; else None."""
+        if cfg.temperature > 0 or not self.screen:
             return None
-        return screened_argmax(head.lm_head, w, h)
+        if self._draft_screen is None:
+            head = self.head
+            fits = head.config.head_type == "eagle1" and not head.config.logit_softcap and head.lm_head is not None
+            self._draft_screen = (fits and cpu_backend.Screen.of(head.lm_head, head.draft_lm_weight)) or False
+        return self._draft_screen.argmax(h) if self._draft_screen else None
 
     def _extend(self, h_parent: torch.Tensor, token: torch.Tensor, depth: int, anc_slots: torch.Tensor,
                 committed: int) -> torch.Tensor:
@@ -317,9 +325,12 @@ class ModelProposer:
                              f"(fingerprint {model.fingerprint} vs {target.fingerprint})")
         self.model, self.vocab = model, target.vocab_size
         self.cache, self.text = TargetCache(), []
+        self.screen = False  # greedy drafts through the CPU backend's screen: set by the decoder, backend on
+        self._screen = None  # its Screen of the model's lm_head: None until built, False: none fits
 
     def reset(self, prompt_ids: list[int]) -> None:
         self.cache, self.text = TargetCache(), list(prompt_ids)[:1]  # the pairs start at the second token
+        self._screen = None
 
     def rollback(self, n: int) -> None:
         self.cache.crop(n + 1)
@@ -337,7 +348,7 @@ class ModelProposer:
             pos = torch.arange(start, start + ids.shape[1], device=m.device)[None]
             h = m.features(ids, position_ids=pos, cache=self.cache.hf)[0, -1]
             if cfg.temperature <= 0:
-                tok = self._greedy(h, cfg.screen_argmax)
+                tok = self._greedy(h)
             else:
                 q = process(m.logits(h)[: self.vocab][None], cfg.temperature, cfg.sampling_top_k, cfg.top_p)[0].cpu()
                 q = torch.nn.functional.pad(q, (0, self.vocab - q.shape[0]))
@@ -349,12 +360,14 @@ class ModelProposer:
         q = torch.cat([torch.stack(q_rows), torch.zeros(1, self.vocab)]) if q_rows else None
         return Draft(torch.tensor([tokens[0, -1].item()] + drafts, device=tokens.device), tree.chain(k), q)
 
-    def _greedy(self, h: torch.Tensor, screen: bool) -> int:
-        """The draft model's greedy token after features h [H], through the int8 screen where it can
-        (`sampling.greedy_tokens`) when its vocabulary is the target's."""
+    def _greedy(self, h: torch.Tensor) -> int:
+        """The draft model's greedy token after features h [H], through the CPU backend's screen where it can
+        (`screen` on, its vocabulary the target's)."""
         m = self.model
         if m.vocab_size == self.vocab:
-            return int(greedy_tokens(m, h.view(1, -1), screen and screen_fits(m))[0])
+            if self._screen is None:
+                self._screen = (self.screen and not m.softcap and cpu_backend.Screen.of(m.lm_head)) or False
+            return int(greedy_tokens(m, h.view(1, -1), self._screen or None)[0])
         return int(m.logits(h)[: self.vocab].argmax())
 
 

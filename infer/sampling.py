@@ -17,8 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from eagle import TargetModel, cpukernel
-from eagle.fastlinear import kernel_rows
+from eagle import TargetModel
 
 
 def process(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
@@ -64,32 +63,12 @@ def gumbel_top(logq: torch.Tensor, m: int, generator: torch.Generator | None) ->
     return keys.topk(m, dim=-1).indices
 
 
-def screen_fits(model: TargetModel) -> bool:
-    """Whether `model`'s lm_head can give greedy tokens through the int8 screen (`cpukernel.screen_argmax`): a
-    plain bias-free linear layer the kernel supports, no logit soft-capping."""
-    lm = model.lm_head
-    return (isinstance(lm, torch.nn.Linear) and lm.bias is None and not model.softcap and cpukernel.available()
-            and cpukernel.supports(lm.weight))
-
-
-def greedy_tokens(model: TargetModel, feats: torch.Tensor, screen: bool) -> torch.Tensor:
-    """`model`'s greedy tokens for features [..., hidden]: with `screen` (the caller checked `screen_fits`), through
-    the int8 screen where the fast path multiplies this many rows by the lm_head in the kernel (the same tokens,
-    bit for bit), else the argmax of the logits."""
-    best = screened_argmax(model.lm_head, model.lm_head.weight, feats) if screen else None
+def greedy_tokens(model: TargetModel, feats: torch.Tensor, screen=None) -> torch.Tensor:
+    """`model`'s greedy tokens for features [..., hidden]: through `screen` (the CPU backend's `Screen` of its
+    lm_head: the same tokens, bit for bit, reading a quarter of the bytes) where it takes these rows, else the argmax
+    of the logits."""
+    best = None if screen is None else screen.argmax(feats)
     return best if best is not None else model.logits(feats).argmax(-1)
-
-
-def screened_argmax(layer: torch.nn.Module, weight: torch.Tensor, feats: torch.Tensor) -> torch.Tensor | None:
-    """The argmax of `feats @ weight.T` through the int8 screen (`cpukernel.screen_argmax`, bit for bit the argmax of
-    the kernel's product) where the fast path multiplies this many rows by the linear layer `layer` (whose layout
-    the product of `weight` follows) in the kernel, for float32 features on the CPU without gradients; else None.
-    The caller checked that the kernel supports `weight`."""
-    if (feats.dtype == torch.float32 and feats.is_cpu
-            and not (torch.is_grad_enabled() and (feats.requires_grad or weight.requires_grad))
-            and kernel_rows(layer, feats.numel() // feats.shape[-1])):
-        return cpukernel.screen_argmax(feats, weight)
-    return None
 
 
 def accept_greedy(tokens: torch.Tensor, predicted: torch.Tensor, parents: torch.Tensor, depth: torch.Tensor) -> int:

@@ -76,17 +76,17 @@ def tiny_tokenizer(make_tokenizer):
 @pytest.fixture(scope="session")
 def avx2_library():
     """The kernel built for AVX2 alone (x86-64-v3), once per test session (kept in the tests' cache)."""
-    from eagle import cpukernel
+    from cpu_backend import kernels
     from eagle.target import cache_root
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(cpukernel, "FLAGS", [f if f != "-march=native" else "-march=x86-64-v3" for f in cpukernel.FLAGS])
-        path = cache_root() / "kernels" / f"avx2-{cpukernel.library_key()}.so"
+        mp.setattr(kernels, "FLAGS", [f if f != "-march=native" else "-march=x86-64-v3" for f in kernels.FLAGS])
+        path = cache_root() / "kernels" / f"avx2-{kernels.library_key()}.so"
         try:
-            lib = cpukernel.load(path)
+            lib = kernels.load(path)
         except OSError:
-            cpukernel.build(path)
-            lib = cpukernel.load(path)
+            kernels.build(path)
+            lib = kernels.load(path)
     assert not lib.vq_supported() and not lib.amx_enable()
     return lib
 
@@ -94,15 +94,15 @@ def avx2_library():
 @pytest.fixture(params=KERNEL_PATHS)
 def kernel_path(request, monkeypatch) -> str:
     """Runs the test once per CPU path (tests/paths.py), that path forced; returns its name."""
-    from eagle import cpukernel
+    from cpu_backend import kernels
 
     path = request.param
     reason = kernel_path_missing(path)
     if reason:
         pytest.skip(f"{path} path: {reason}")
     if path == "avx2":
-        monkeypatch.setattr(cpukernel, "_lib", request.getfixturevalue("avx2_library"))
-        monkeypatch.setattr(cpukernel, "_amx", None)  # asked of that library again
-    monkeypatch.setattr(cpukernel, "AMX", path == "amx")
-    monkeypatch.setattr(cpukernel, "VNNI", path == "vnni")
+        monkeypatch.setattr(kernels, "_lib", request.getfixturevalue("avx2_library"))
+        monkeypatch.setattr(kernels, "_amx", None)  # asked of that library again
+    monkeypatch.setattr(kernels, "AMX", path == "amx")
+    monkeypatch.setattr(kernels, "VNNI", path == "vnni")
     return path

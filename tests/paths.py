@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-# A product on the CPU takes one of these paths (eagle.cpukernel): "fma", the float32 path of the native build
+# A product on the CPU takes one of these paths (cpu_backend.kernels): "fma", the float32 path of the native build
 # (AVX-512 or AVX2, whatever this CPU has); "avx2", the same path from a build for AVX2 alone (x86-64-v3), which an
 # AVX-512 machine runs too; "vnni", GGUF codes multiplied by AVX512-VNNI byte products; "amx", Q4_1 codes on AMX
 # tiles. A test that depends on the path takes the `kernel_path` fixture: it runs once per path, forced by the
@@ -15,15 +15,15 @@ def kernel_path_missing(path: str) -> str | None:
     """Why this host cannot run `path`, or None."""
     import platform
 
-    from eagle import cpukernel
+    from cpu_backend import kernels
 
-    if not cpukernel.available():
+    if not kernels.available():
         return "the C kernel does not build here"
     if path == "avx2" and (platform.machine() not in ("x86_64", "AMD64")
-                           or "avx2" not in cpukernel._cpu_flags().split()):
+                           or "avx2" not in kernels._cpu_flags().split()):
         return "not an x86-64 CPU with AVX2"
-    if path == "vnni" and not (cpukernel.VNNI and cpukernel.vnni_possible()):
-        return "EAGLE_NO_VNNI=1" if not cpukernel.VNNI else "no AVX512-VNNI byte products in the native build"
-    if path == "amx" and not (cpukernel.AMX and cpukernel.amx_possible()):
-        return "EAGLE_NO_AMX=1" if not cpukernel.AMX else "no AMX tiles here (CPU, compiler or OS)"
+    if path == "vnni" and not (kernels.VNNI and kernels.vnni_possible()):
+        return "EAGLE_NO_VNNI=1" if not kernels.VNNI else "no AVX512-VNNI byte products in the native build"
+    if path == "amx" and not (kernels.AMX and kernels.amx_possible()):
+        return "EAGLE_NO_AMX=1" if not kernels.AMX else "no AMX tiles here (CPU, compiler or OS)"
     return None

@@ -1,13 +1,15 @@
-"""eagle.attention.gqa_sdpa: a tree-masked verification pass without copying the KV cache per query head."""
+"""eagle.attention.gqa_sdpa: a tree-masked verification pass without copying the KV cache per query head; the CPU
+backend's attention in C (cpu_backend.attention)."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 from tiny import tiny_head, tiny_target
 
-from eagle import cpukernel
+from cpu_backend import CPUConfig, kernels
+from cpu_backend.attention import IMPLEMENTATION as CPU_ATTENTION
+from cpu_backend.fastpath import BUCKETS, Plan, disable_fast_linear, enable_fast_linear
 from eagle.attention import IMPLEMENTATION, use_gqa_sdpa
-from eagle.fastlinear import BUCKETS, Plan, disable_fast_linear, enable_fast_linear
 from infer import SpeculativeDecoder, tree
 from infer.cache import TargetCache
 from infer.decoder import verify_mask
@@ -47,14 +49,15 @@ def test_speculative_greedy_equals_plain_greedy_with_gqa_sdpa():
     target = tiny_target()
     dec = SpeculativeDecoder(target, tiny_head(target))
     prompt = [5, 9, 14, 22, 7]
-    plain = dec.generate(prompt, max_new_tokens=24, speculative=False, fast_linear=False).token_ids
+    plain = dec.generate(prompt, max_new_tokens=24, speculative=False, cpu=CPUConfig(fast_path=False)).token_ids
     assert target.model.config._attn_implementation == "sdpa"
     for mode in ({"num_speculative_tokens": 3}, {"mode": "dynamic", "top_k": 2, "depth": 3, "total_tokens": 6}):
         assert dec.generate(prompt, max_new_tokens=24, **mode).token_ids == plain
-        assert target.model.config._attn_implementation == IMPLEMENTATION
+        # the backend's attention on the CPU, which hands float64 rows to gqa_sdpa
+        assert target.model.config._attn_implementation == CPU_ATTENTION
 
 
-@pytest.mark.skipif(not cpukernel.available(), reason="the C kernel does not build here")
+@pytest.mark.skipif(not kernels.available(), reason="the C kernel does not build here")
 @pytest.mark.parametrize("heads,kv_heads,rows,dim,threads", [(6, 3, 5, 16, 2), (9, 3, 5, 64, 2), (9, 3, 5, 64, 1),
                                                           (4, 4, 3, 72, 2), (8, 2, 1, 128, 2)])
 def test_kernel_attention_matches_sdpa_and_each_row_alone(heads, kv_heads, rows, dim, threads):
@@ -74,21 +77,21 @@ def test_kernel_attention_matches_sdpa_and_each_row_alone(heads, kv_heads, rows,
     torch.set_num_threads(threads)
     try:
         for mask in (keep, additive):
-            got = cpukernel.attend(q, k, v, mask, dim ** -0.5)
+            got = kernels.attend(q, k, v, mask, dim ** -0.5)
             torch.testing.assert_close(got, want)
-            alone = torch.cat([cpukernel.attend(q[:, :, i:i + 1], k, v, mask[:, :, i:i + 1], dim ** -0.5)
+            alone = torch.cat([kernels.attend(q[:, :, i:i + 1], k, v, mask[:, :, i:i + 1], dim ** -0.5)
                                for i in range(rows)], 1)
             assert torch.equal(got, alone)
         dead = keep.clone()
         dead[0, :, 0] = False  # a row that sees no key (padding) gets zeros
-        got = cpukernel.attend(q, k, v, dead, dim ** -0.5)
+        got = kernels.attend(q, k, v, dead, dim ** -0.5)
         assert torch.equal(got[0, 0], torch.zeros(heads, dim))
-        assert torch.equal(got[1], cpukernel.attend(q, k, v, keep, dim ** -0.5)[1])
+        assert torch.equal(got[1], kernels.attend(q, k, v, keep, dim ** -0.5)[1])
     finally:
         torch.set_num_threads(before)
 
 
-@pytest.mark.skipif(not cpukernel.available(), reason="the C kernel does not build here")
+@pytest.mark.skipif(not kernels.available(), reason="the C kernel does not build here")
 def test_fast_path_verification_pass_gives_each_token_the_bits_of_single_steps():
     # kernel products, norms, MLPs and attention: a verification pass over M <= 64 tokens (here 40) gives every
     # token exactly the logits one-token steps give it, so speculative decoding on the fast path is lossless to the
@@ -97,7 +100,7 @@ def test_fast_path_verification_pass_gives_each_token_the_bits_of_single_steps()
     kernel = {f"{m.weight.shape[0]}x{m.weight.shape[1]}": {b: "kernel" for b in BUCKETS}
               for m in target.model.modules() if isinstance(m, torch.nn.Linear)}
     enable_fast_linear(target.model, Plan(layouts=kernel))
-    assert use_gqa_sdpa(target.model, True)
+    assert target.model.config._attn_implementation == CPU_ATTENTION
     g = torch.Generator().manual_seed(3)
     prefix, nodes = torch.randint(0, 96, (1, 13), generator=g), torch.randint(0, 96, (1, 40), generator=g)
     with torch.no_grad():

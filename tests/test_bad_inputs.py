@@ -23,6 +23,7 @@ from tiny import tiny_head, tiny_target
 from eagle import EagleHead
 from eagle.checkpoint import CheckpointError
 from eagle_cli import main
+from cpu_backend import CPUConfig
 from infer import SpeculativeDecoder
 from train.loop import TrainError, train
 
@@ -62,7 +63,7 @@ def cli(capsys, *argv) -> tuple[int, str]:
 
 
 def generate(files, *argv):
-    return ("generate", "--target", files / "tiny", "--prompt", "w1 w2", "--max-new-tokens", 4, "--no-fast-linear",
+    return ("generate", "--target", files / "tiny", "--prompt", "w1 w2", "--max-new-tokens", 4, "--no-fast-path",
             *argv)
 
 
@@ -121,14 +122,14 @@ def test_a_prompt_longer_than_the_context(files, target, tmp_path, capsys):
                                 "512 tokens (it must leave room for one new token)")
     # eval stops there too, instead of reporting an empty output as lossless
     rc, line = cli(capsys, "eval", "--target", files / "tiny", "--draft", files / "head", "--data",
-                   files / "long.jsonl", "--out", tmp_path / "eval", "--no-fast-linear")
+                   files / "long.jsonl", "--out", tmp_path / "eval", "--no-fast-path")
     assert rc == 2 and line == (f"eagle eval: error: prompt 0 of '{files / 'long.jsonl'}': 605 tokens do not fit the "
                                 "target's context of 512 tokens (it must leave room for one new token)")
     assert not (tmp_path / "eval/report.json").exists()
     dec = SpeculativeDecoder(target, None)
     with pytest.raises(ValueError, match="prompt of 512 tokens does not fit"):  # no room for a new token
-        dec.generate([5] * 512, 4, speculative=False, fast_linear=False)
-    assert len(dec.generate([5] * 511, 4, speculative=False, fast_linear=False).token_ids) == 1
+        dec.generate([5] * 512, 4, speculative=False, cpu=CPUConfig(fast_path=False))
+    assert len(dec.generate([5] * 511, 4, speculative=False, cpu=CPUConfig(fast_path=False)).token_ids) == 1
 
 
 def test_max_new_tokens_below_one(files, target, tmp_path, capsys):
@@ -149,7 +150,7 @@ def test_prompt_token_ids_outside_the_vocabulary(target):
 def test_a_target_without_a_chat_template_is_said_once(files, target, tmp_path, capsys):
     """chat_template auto: the raw text, with one warning per decoder; none: the raw text, silently; a file: its
     template; anything else: a one-line error before the target loads."""
-    plain = SpeculativeDecoder.from_pretrained(str(files / "plain"), fast_linear=False)
+    plain = SpeculativeDecoder.from_pretrained(str(files / "plain"), cpu=CPUConfig(fast_path=False))
     with pytest.warns(UserWarning, match="has no chat template: string prompts are tokenized as raw text") as said:
         plain.generate("w1 w2", 2, speculative=False)
         plain.generate("w3", 2, speculative=False)
@@ -353,7 +354,7 @@ def test_a_nan_loss_stops_naming_the_last_good_checkpoint(files, target, tmp_pat
 
     monkeypatch.setattr(loop, "head_loss", nan_at_bad_step)
     (tmp_path / "data").symlink_to(files / "data")
-    cfg = config(tmp_path, "budget.max_steps=8", "save_every_minutes=0", "eval.every_minutes=0", "fast_linear=false")
+    cfg = config(tmp_path, "budget.max_steps=8", "save_every_minutes=0", "eval.every_minutes=0", "cpu.fast_path=false")
     with pytest.raises(TrainError) as e:
         train(cfg, target=target)
     run = tmp_path / "run"
@@ -388,7 +389,7 @@ def train_argv(files, run: Path) -> list[str]:
     return [sys.executable, str(ROOT / "eagle_cli.py"), "train", f"model.target={files / 'tiny'}",
             f"data.prepared={files / 'data'}", f"run_dir={run}", f"out={run / 'head'}", "optim.batch_tokens=256",
             "optim.warmup_steps=2", "optim.lr=3e-3", "budget.max_steps=150", "save_every_minutes=0",
-            "eval.every_minutes=0", "eval.num_prompts=0", "fast_linear=false", "num_threads=1", "tensorboard=false"]
+            "eval.every_minutes=0", "eval.num_prompts=0", "cpu.fast_path=false", "num_threads=1", "tensorboard=false"]
 
 
 def run_train(files, run: Path, fault: str = "") -> subprocess.CompletedProcess:

@@ -14,7 +14,7 @@ from tiny import tiny_target
 from eagle.features import features_path
 
 ROOT = Path(__file__).resolve().parents[1]
-PROBE = "from eagle import cpukernel; print('available', cpukernel.available())"
+PROBE = "from cpu_backend import kernels; print('available', kernels.available())"
 
 
 def _probe(cache: Path, **env) -> subprocess.CompletedProcess:
@@ -26,19 +26,19 @@ def _probe(cache: Path, **env) -> subprocess.CompletedProcess:
 
 
 def test_a_kernel_is_loaded_only_as_built_and_only_from_a_private_folder(tmp_path):
-    from eagle import cpukernel
+    from cpu_backend import kernels
 
-    if not cpukernel.available():
+    if not kernels.available():
         pytest.skip("the C kernel does not build here")
     first = _probe(tmp_path)
     assert "available True" in first.stdout, first.stderr
     folder = tmp_path / "kernels"
     (lib,) = folder.glob("rows_linear-*.so")
-    assert (folder / (lib.name + ".sha256")).read_text().strip() == cpukernel._digest(lib)
+    assert (folder / (lib.name + ".sha256")).read_text().strip() == kernels._digest(lib)
     assert folder.stat().st_mode & 0o777 == 0o700
-    with pytest.raises(cpukernel.KernelError, match="does not match the sha256"):
+    with pytest.raises(kernels.KernelError, match="does not match the sha256"):
         lib.write_bytes(lib.read_bytes() + b"\0")  # changed after it was built
-        cpukernel.load(lib)
+        kernels.load(lib)
     again = _probe(tmp_path)
     assert "available True" in again.stdout and "does not match" in again.stderr and "building it again" in again.stderr
     folder.chmod(0o777)

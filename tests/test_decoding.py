@@ -150,13 +150,14 @@ def test_cache_compact_then_step_equals_fresh_forward(target):
     torch.testing.assert_close(step[0, -1], fresh[0, -1])
 
 
-def test_compact_in_one_c_call_moves_what_the_torch_path_moves(monkeypatch):
-    # float32 buffers on the CPU: compact moves every layer's accepted rows in one C call (cpukernel.kv_compact),
+def test_compact_in_one_c_call_moves_what_the_torch_path_moves():
+    # float32 buffers on the CPU: compact moves every layer's accepted rows in one C call (kernels.kv_compact),
     # the same values as the index_select path, and the next step still matches a fresh forward
-    from eagle import cpukernel
+    import cpu_backend
+    from cpu_backend import kernels
     from infer.decoder import verify_mask
 
-    if not cpukernel.available():
+    if not kernels.available():
         pytest.skip("no C kernel here")
     target = tiny_target(dtype=torch.float32)
     seq = torch.randint(4, 90, (1, 13), generator=torch.Generator().manual_seed(0))
@@ -164,15 +165,14 @@ def test_compact_in_one_c_call_moves_what_the_torch_path_moves(monkeypatch):
     nm, d = tree.ancestor_mask(parents), tree.depths(parents)
     caches = []
     for table in (True, False):
-        cache = TargetCache()
-        if not table:
-            monkeypatch.setattr(TargetCache, "_buffer_table", lambda self: None)
+        cache = TargetCache(move=cpu_backend.compact_kv if table else None)
         cache.reserve(target, 16)
         target.features(seq[:, :7], position_ids=torch.arange(7)[None], cache=cache.hf)
         target.features(seq[:, 7:13], position_ids=(7 + d)[None], attention_mask=verify_mask(7, nm, torch.float32),
                         cache=cache.hf)
         if table:
-            assert cache._buffer_table() is not None and cache._buffer_table().shape == (2 * len(cache.hf.layers), 5)
+            table = cpu_backend._buffer_table(cache.hf.layers)
+            assert table is not None and table.shape == (2 * len(cache.hf.layers), 5)
         cache.compact(7, torch.tensor([0, 2, 3, 5]))
         caches.append(cache)
     for a, b in zip(*(c.hf.layers for c in caches)):

@@ -92,7 +92,7 @@ def test_eval_cli_takes_tree_options(tmp_path):
     from eagle_cli import _config_from_args, build_parser
 
     args = build_parser().parse_args(["eval", "--data", "x.jsonl", "--mode", "dynamic", "--top-k", "3", "--depth",
-                                      "5", "--total-tokens", "10", "--temperature", "0.7", "--no-fast-linear"])
+                                      "5", "--total-tokens", "10", "--temperature", "0.7", "--no-fast-path"])
     cfg = _config_from_args(EvalConfig, args)
     assert (cfg.decode.mode, cfg.decode.top_k, cfg.decode.depth, cfg.decode.total_tokens) == ("dynamic", 3, 5, 10)
-    assert cfg.decode.temperature == 0.7 and cfg.decode.fast_linear is False and cfg.data == "x.jsonl"
+    assert cfg.decode.temperature == 0.7 and cfg.cpu.fast_path is False and cfg.data == "x.jsonl"

@@ -10,6 +10,7 @@ from transformers import (FalconConfig, Gemma3Config, Gemma3TextConfig, GPT2Conf
 from transformers import AutoModelForCausalLM
 
 from eagle import TargetModel
+from cpu_backend import CPUConfig
 from infer import SpeculativeDecoder
 
 PROMPT = [5, 6, 7, 8, 9, 10, 11, 5, 6]
@@ -73,7 +74,7 @@ def test_every_family_decodes_as_transformers_greedy(family):
     # attention modules with q / k norms (Qwen3, Gemma-3) run the kernel attention too, norms included
     if family not in ("phi3", "gpt2", "falcon"):
         assert target.base.layers[0].self_attn.__dict__.get("_fast_module")
-    stock = dec.generate(PROMPT, 32, num_speculative_tokens=3, fast_linear=False)
+    stock = dec.generate(PROMPT, 32, num_speculative_tokens=3, cpu=CPUConfig(fast_path=False))
     assert stock.token_ids == plain.token_ids
     if family == "gemma3-multimodal":  # stop tokens from the model's config and its text config, each once
         target.model.config.eos_token_id, target.config.eos_token_id = [tiny_tokenizer(96).eos_token_id, 90], 91
@@ -88,9 +89,9 @@ def test_layers_with_qk_norms_run_in_one_call_with_their_parts_bits(family):
     from tests.test_attention import _verify_logits
     from torch import nn
 
-    from eagle import cpukernel
+    from cpu_backend import kernels
     from eagle.attention import use_gqa_sdpa
-    from eagle.fastlinear import BUCKETS, Plan, disable_fast_linear, enable_fast_linear
+    from cpu_backend.fastpath import BUCKETS, Plan, disable_fast_linear, enable_fast_linear
 
     target = tiny_family(family)
     plan = Plan(layouts={f"{m.weight.shape[0]}x{m.weight.shape[1]}": {b: "kernel" for b in BUCKETS}
@@ -99,18 +100,18 @@ def test_layers_with_qk_norms_run_in_one_call_with_their_parts_bits(family):
     enable_fast_linear(target.model, plan)
     layers = list(target.base.layers)
     assert all("_fast_module" in m.__dict__ for layer in layers for m in (layer, layer.self_attn, layer.mlp))
-    assert layers[0].mlp._fast_act == (cpukernel.GELU_TANH if family == "gemma3" else 0)
+    assert layers[0].mlp._fast_act == (kernels.GELU_TANH if family == "gemma3" else 0)
     assert "_fast_module" not in target.base.__dict__  # not all layers in one call: its table has no q / k norms
     g = torch.Generator().manual_seed(5)
     prefix, nodes = torch.randint(4, 90, (1, 9), generator=g), torch.randint(4, 90, (1, 6), generator=g)
     parents = torch.tensor([-1, 0, 0, 1, 2, 4])
-    calls, one_call = [], cpukernel.decoder_layer
+    calls, one_call = [], kernels.decoder_layer
     with torch.no_grad():
-        cpukernel.decoder_layer = lambda x, *a, **k: calls.append(x.shape[1]) or one_call(x, *a, **k)
+        kernels.decoder_layer = lambda x, *a, **k: calls.append(x.shape[1]) or one_call(x, *a, **k)
         try:
             one_call_layers = _verify_logits(target, prefix, nodes, parents)
         finally:
-            cpukernel.decoder_layer = one_call
+            kernels.decoder_layer = one_call
         assert calls == [6, 6]  # the tree pass; the prefill's causal mask is sdpa's is_causal: the layers' parts
         for layer in layers:
             del layer.forward, layer._fast_module

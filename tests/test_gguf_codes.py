@@ -10,7 +10,7 @@ from gguf.quants import dequantize
 from test_q4 import VNNI, _byte_products_keep_each_rows_bits, _codes_give_the_float32_bits
 from tiny import tiny_target
 
-from eagle import cpukernel, gguf_codes
+from cpu_backend import gguf_codes, kernels
 
 KINDS = ["Q4_K", "Q5_K", "Q6_K"]
 
@@ -61,9 +61,9 @@ def test_k_quant_codes_on_byte_products_keep_each_rows_bits(monkeypatch, kind):
 
 def test_codes_that_no_longer_decode_to_the_weight_are_not_used():
     w = _kquant_weight(32, 256, torch.Generator().manual_seed(1))
-    assert cpukernel.kquant_codes(w) is not None
+    assert kernels.kquant_codes(w) is not None
     w[3, 7] += 1.0
-    assert cpukernel.kquant_codes(w) is None
+    assert kernels.kquant_codes(w) is None
 
 
 def test_codes_are_matched_to_weights_by_rows_through_a_gguf_file(tmp_path):
@@ -90,7 +90,7 @@ def test_codes_are_matched_to_weights_by_rows_through_a_gguf_file(tmp_path):
     model.c = torch.nn.Parameter(torch.randn(64, 256), requires_grad=False)
     assert gguf_codes.attach(model, tmp_path / "t.gguf") == 2
     for p in (model.a, model.b):
-        q, d, m = cpukernel.kquant_codes(p)
+        q, d, m = kernels.kquant_codes(p)
         assert torch.equal(gguf_codes.decode(q, d, m), p)
     assert "_eagle_kquant" not in model.c.__dict__
 
@@ -113,26 +113,30 @@ def test_a_target_with_k_quant_weights_decodes_the_same_with_and_without_the_cod
     prompt, layer = [5, 9, 14, 22, 7], target.model.model.layers[0].self_attn.q_proj.weight
     if kernel_path == "vnni":
         greedy = dec.generate(prompt, max_new_tokens=16, speculative=False).token_ids
-        assert cpukernel.packed(layer) & 15 == 14
+        assert kernels.packed(layer) & 15 == 14
         assert dec.generate(prompt, max_new_tokens=16, num_speculative_tokens=3).token_ids == greedy
         return
     runs = []
     for on in (True, False):
-        monkeypatch.setattr(cpukernel, "Q4_1", on)
+        monkeypatch.setattr(kernels, "Q4_1", on)
         runs += [dec.generate(prompt, max_new_tokens=16, speculative=False).token_ids,
                  dec.generate(prompt, max_new_tokens=16, num_speculative_tokens=3).token_ids]
-        assert cpukernel.packed(layer) & 7 == (6 if on else 0)
+        assert kernels.packed(layer) & 7 == (6 if on else 0)
     assert all(r == runs[0] for r in runs)
 
 
-def test_a_gguf_target_loads_when_its_codes_cannot_be_read(monkeypatch):
-    # the codes only save time: a file they cannot be read from still loads, with a warning
-    from eagle import load_target, target as target_module
+def test_a_gguf_target_runs_when_its_codes_cannot_be_read(monkeypatch):
+    # the codes only save time: the backend enables a target whose file they cannot be read from, with a warning
+    import cpu_backend
+    from eagle import load_target
 
     def broken(model, path):
         raise ValueError("unreadable")
 
-    monkeypatch.setattr(target_module.gguf_codes, "attach", broken)
+    t = load_target("smollm2-135m")
+    assert t.source is not None and t.source.suffix == ".gguf"
+    monkeypatch.setattr(gguf_codes, "attach", broken)
     with pytest.warns(UserWarning, match="K-quant codes not read .ValueError: unreadable"):
-        t = load_target("smollm2-135m")
+        cpu_backend.enable(t.model, plan=cpu_backend.fastpath.Plan(), gguf=t.source)
+    cpu_backend.disable(t.model)
     assert t.vocab_size == 49152

@@ -7,7 +7,8 @@ import pytest
 import torch
 from tiny import tiny_head, tiny_target
 
-from eagle import CheckpointError, EagleHead, HeadConfig, cpukernel
+from cpu_backend import kernels
+from eagle import CheckpointError, EagleHead, HeadConfig
 from eagle.configio import ConfigError, load_config
 from train.config import TrainConfig
 
@@ -100,23 +101,6 @@ def test_overrides_are_typed_and_unknown_keys_rejected(tmp_path):
         load_config(TrainConfig, tmp_path / "missing.yaml")
 
 
-def test_import_direction():
-    """eagle imports none of the others; data_prep and infer import only eagle."""
-    import ast
-
-    allowed = {"eagle": {"eagle"}, "data_prep": {"eagle", "data_prep"}, "infer": {"eagle", "infer"},
-               "train": {"eagle", "data_prep", "infer", "train"}}
-    ours = set(allowed)
-    for pkg, ok in allowed.items():
-        for f in (ROOT / pkg).glob("*.py"):
-            for node in ast.walk(ast.parse(f.read_text())):
-                names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
-                    [node.module] if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 else [])
-                for n in names:
-                    top = n.split(".")[0]
-                    assert top not in ours or top in ok, f"{f.relative_to(ROOT)} imports {n}"
-
-
 def test_gguf_conversion_cache_is_keyed_by_content_not_path(tmp_path, monkeypatch):
     from eagle.target import _gguf_cache_dir
 
@@ -131,7 +115,7 @@ def test_gguf_conversion_cache_is_keyed_by_content_not_path(tmp_path, monkeypatc
     assert _gguf_cache_dir(a).name.startswith("m-")
 
 
-@pytest.mark.skipif(not cpukernel.available(), reason="the C kernel does not build here")
+@pytest.mark.skipif(not kernels.available(), reason="the C kernel does not build here")
 def test_rotary_tables_give_the_values_computed_on_the_spot():
     # rope_cos_sin gathers rows of a table that grows with the largest position asked; each value is computed alone
     # in float64 and cast, so it must equal computing it for the asked positions only, bit for bit
@@ -150,11 +134,12 @@ def test_rotary_tables_give_the_values_computed_on_the_spot():
 
 
 @pytest.mark.parametrize("layers", [1, 2])
+@pytest.mark.skipif(not kernels.available(), reason="the C kernel does not build here")
 def test_head_layer_in_c_matches_torch_when_drafting(monkeypatch, layers):
-    # drafting on the CPU in float32 runs each head layer in one C call (norms, products, rotary embedding,
-    # attention; a second layer has an input norm, the first none): a prefill, a one-row step and a tree-masked
-    # step with the head's own cache give what torch's path gives, to float32 rounding
-    from eagle import head as head_module
+    # drafting on the CPU in float32, the backend runs each head layer in one C call (norms, products, rotary
+    # embedding, attention; a second layer has an input norm, the first none): a prefill, a one-row step and a
+    # tree-masked step with the head's own cache give what the plain torch head gives, to float32 rounding
+    from cpu_backend import draft, fastpath
     from eagle.head import HeadCache
 
     target = tiny_target(dtype=torch.float32, hidden=64)
@@ -173,18 +158,18 @@ def test_head_layer_in_c_matches_torch_when_drafting(monkeypatch, layers):
                             cache=cache, mask=tree_mask))
         return out
 
-    calls, original = [], head_module.DecoderLayer._forward_kernel
-
-    def counted(self, *args):
-        calls.append(1)
-        return original(self, *args)
-
-    monkeypatch.setattr(head_module.DecoderLayer, "_forward_kernel", counted)
+    plain = run()
+    calls, original = [], kernels.decoder_layer
+    monkeypatch.setattr(kernels, "decoder_layer", lambda *a: calls.append(1) or original(*a))
+    draft.patch(head)
     fast = run()
     assert len(calls) == 3 * layers  # every layer of every call took the C path
-    monkeypatch.setattr(head_module, "_kernel_fits", lambda x, head_dim: False)
-    for got, want in zip(fast, run()):
+    draft.unpatch(head)
+    fastpath.disable_fast_linear(head)  # the patched forwards off
+    again = run()
+    for got, want, same in zip(fast, plain, again):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        assert torch.equal(same, want)  # the plain head again
 
 
 def test_two_layer_head_cache_save_load_and_lossless_decoding(tmp_path):

@@ -1,15 +1,15 @@
-"""An EAGLE head's weights in int8 while it drafts (eagle.cpukernel's `draft_precision`, `pack_i8`): on AMX-INT8
+"""An EAGLE head's weights in int8 while it drafts (cpu_backend.kernels's `draft_precision`, `pack_i8`): on AMX-INT8
 tiles, or with AVX512-VNNI alone in byte products of four rows at a time; each row keeps its bits at every row
 count."""
 
 import pytest
 import torch
 
-from eagle import cpukernel
+from cpu_backend import kernels
 from infer import SpeculativeDecoder
 from tests.tiny import tiny_head, tiny_target
 
-pytestmark = pytest.mark.skipif(not (cpukernel.available() and cpukernel.library().int8_products()),
+pytestmark = pytest.mark.skipif(not (kernels.available() and kernels.library().int8_products()),
                                 reason="no AMX-INT8 or AVX512-VNNI here")
 
 
@@ -36,16 +36,16 @@ def test_int8_draft_products_are_the_rounded_weights_and_inputs_exactly_and_keep
     exact = rounded_rows(x) @ rounded(w).T + b.double()
     silu = torch.nn.functional.silu
     exact_g = silu(rounded_rows(xg) @ rounded(gate).T) * (rounded_rows(xg) @ rounded(up).T)
-    cpukernel.draft_precision([w, gate, up])
+    kernels.draft_precision([w, gate, up])
     with torch.no_grad():
-        assert cpukernel.packed(w) & 7 == 4
-        whole = [cpukernel.rows_linear(x, w, b), cpukernel.rows_gated(xg, gate, up)]
+        assert kernels.packed(w) & 7 == 4
+        whole = [kernels.rows_linear(x, w, b), kernels.rows_gated(xg, gate, up)]
         for got, want in zip(whole, (exact, exact_g)):
             assert ((got.double() - want).abs().max() / want.abs().max()).item() < 2e-6
         for lo, hi in ((0, 1), (7, 8), (0, 3), (4, 8), (5, 21), (3, 40)):  # byte products up to 4 rows, then tiles
-            part = [cpukernel.rows_linear(x[lo:hi], w, b), cpukernel.rows_gated(xg[lo:hi], gate, up)]
+            part = [kernels.rows_linear(x[lo:hi], w, b), kernels.rows_gated(xg[lo:hi], gate, up)]
             assert all(torch.equal(a, c[lo:hi]) for a, c in zip(part, whole))
-    cpukernel.draft_precision([w, gate, up], on=False)
+    kernels.draft_precision([w, gate, up], on=False)
 
 
 def test_a_head_drafting_in_int8_keeps_speculative_decoding_lossless():
@@ -57,7 +57,7 @@ def test_a_head_drafting_in_int8_keeps_speculative_decoding_lossless():
         assert dec.generate(prompt, max_new_tokens=24, num_speculative_tokens=k).token_ids == greedy
     fc = dec.head.fc.weight
     assert "_eagle_draft" in fc.__dict__  # marked while drafting
-    cpukernel.draft_precision([fc])
+    kernels.draft_precision([fc])
     with torch.no_grad():
-        assert cpukernel.packed(fc) & 7 == 4
-    cpukernel.draft_precision([fc], on=False)
+        assert kernels.packed(fc) & 7 == 4
+    kernels.draft_precision([fc], on=False)

@@ -95,8 +95,10 @@ def test_smollm2_greedy_and_speculative_equal_transformers_on_every_cpu_path(ker
                                                                               smollm2_reference):
     """The chunked prefill of a long prompt and the decoding after it, plain and with a random head (chain and
     dynamic tree), through the kernels of the path named in the test's id, give stock transformers' tokens."""
-    from eagle import EagleHead, HeadConfig, cpukernel
-    from eagle.fastlinear import BUCKETS, Plan, disable_fast_linear, enable_fast_linear
+    from cpu_backend import kernels
+
+    from eagle import EagleHead, HeadConfig
+    from cpu_backend.fastpath import BUCKETS, Plan, disable_fast_linear, enable_fast_linear
 
     ids, want = smollm2_reference
     torch.manual_seed(0)
@@ -109,7 +111,7 @@ def test_smollm2_greedy_and_speculative_equal_transformers_on_every_cpu_path(ker
         dec = SpeculativeDecoder(smollm2, head)
         assert dec.generate(ids, 48, speculative=False).token_ids == want
         q_proj = smollm2.model.model.layers[0].self_attn.q_proj.weight  # GGUF Q4_1: read as codes, on this path
-        assert cpukernel.packed(q_proj) & 15 == {"fma": 1, "avx2": 1, "vnni": 9, "amx": 2}[kernel_path]
+        assert kernels.packed(q_proj) & 15 == {"fma": 1, "avx2": 1, "vnni": 9, "amx": 2}[kernel_path]
         assert dec.generate(ids, 48, num_speculative_tokens=3).token_ids == want
         assert dec.generate(ids, 48, mode="dynamic", top_k=2, depth=3, total_tokens=6).token_ids == want
     finally:
@@ -121,10 +123,10 @@ def test_smollm2_greedy_and_speculative_equal_transformers_on_every_cpu_path(ker
 def test_two_timing_plans_route_smollm2_differently_and_give_the_same_tokens(smollm2, smollm2_reference):
     """A plan changes speed, never tokens: the kernel everywhere (each decoder layer in one C call), or the MLPs'
     down projections through F.linear (their layers then run module by module)."""
-    from eagle import cpukernel
-    from eagle.fastlinear import BUCKETS, Plan, disable_fast_linear, enable_fast_linear
+    from cpu_backend import kernels
+    from cpu_backend.fastpath import BUCKETS, Plan, disable_fast_linear, enable_fast_linear
 
-    if not cpukernel.available():
+    if not kernels.available():
         pytest.skip("the C kernel does not build here")
     ids, want = smollm2_reference
     shapes = {f"{m.weight.shape[0]}x{m.weight.shape[1]}" for m in smollm2.model.modules()
@@ -143,20 +145,20 @@ def test_two_timing_plans_route_smollm2_differently_and_give_the_same_tokens(smo
 
 
 def test_a_timing_plan_is_keyed_by_the_kernel_path_and_measured_again_on_request(tmp_path, monkeypatch):
-    from eagle import cpukernel, fastlinear
+    from cpu_backend import fastpath, kernels
 
-    if not cpukernel.available():
+    if not kernels.available():
         pytest.skip("the C kernel does not build here")
     model = tiny_target(dtype=torch.float32).model
     keys = set()
     for amx, vnni in ((True, True), (False, True), (False, False)):
-        monkeypatch.setattr(cpukernel, "AMX", amx)
-        monkeypatch.setattr(cpukernel, "VNNI", vnni)
-        keys.add(fastlinear._plan_path(model, "passes"))
+        monkeypatch.setattr(kernels, "AMX", amx)
+        monkeypatch.setattr(kernels, "VNNI", vnni)
+        keys.add(fastpath._plan_path(model, "passes"))
     assert len(keys) == 3  # EAGLE_NO_AMX / EAGLE_NO_VNNI plan apart
     made = []
     path = str(tmp_path / "plan.json")
-    assert fastlinear._cached_json(path, lambda: made.append(1) or {"a": 1}) == {"a": 1}
-    assert fastlinear._cached_json(path, lambda: made.append(1) or {"a": 2}) == {"a": 1} and len(made) == 1
+    assert fastpath._cached_json(path, lambda: made.append(1) or {"a": 1}) == {"a": 1}
+    assert fastpath._cached_json(path, lambda: made.append(1) or {"a": 2}) == {"a": 1} and len(made) == 1
     monkeypatch.setenv("EAGLE_RECALIBRATE", "1")
-    assert fastlinear._cached_json(path, lambda: made.append(1) or {"a": 3}) == {"a": 3} and len(made) == 2
+    assert fastpath._cached_json(path, lambda: made.append(1) or {"a": 3}) == {"a": 3} and len(made) == 2

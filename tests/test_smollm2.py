@@ -8,6 +8,7 @@ from test_decoding import OracleProposer
 
 from eagle import EagleHead, HeadConfig, load_target
 from eagle.configio import load_config
+from cpu_backend import CPUConfig
 from infer import SpeculativeDecoder
 from train.config import TrainConfig
 
@@ -30,8 +31,8 @@ def baselines(target):
 
 def test_engine_greedy_equals_transformers_greedy_with_fast_linear_on_and_off(target, baselines):
     dec = SpeculativeDecoder(target, None)
-    whole = [dec.generate(p, 40, speculative=False, screen_argmax=False).token_ids for p in PROMPTS]
-    off = [dec.generate(p, 40, speculative=False, fast_linear=False).token_ids for p in PROMPTS]
+    whole = [dec.generate(p, 40, speculative=False, cpu=CPUConfig(screen_argmax=False)).token_ids for p in PROMPTS]
+    off = [dec.generate(p, 40, speculative=False, cpu=CPUConfig(fast_path=False)).token_ids for p in PROMPTS]
     assert not any("forward" in m.__dict__ for m in target.model.modules())  # the stock layers are back
     for p, base, lm_head, plain in zip(PROMPTS, baselines, whole, off):
         ids = torch.tensor([dec.encode(p)])
@@ -52,22 +53,22 @@ def test_chain_decoding_is_lossless_with_a_random_head(target, baselines):
 
 def test_chain_drafts_through_the_screen_are_the_draft_logits_argmax(target, baselines, monkeypatch):
     """Greedy chain drafts take the head's argmax through the int8 screen of its draft lm_head rows (through
-    `cpukernel.screen_argmax` or `GreedySteps`'s own call): the same drafts (so the same accepted lengths) as the
+    `kernels.screen_argmax` or `GreedySteps`'s own call): the same drafts (so the same accepted lengths) as the
     argmax of the whole draft logits, and the target's greedy tokens."""
-    from eagle import cpukernel
-    from eagle.fastdraft import GreedySteps
+    from cpu_backend import kernels
+    from cpu_backend.draft import GreedySteps
 
     torch.manual_seed(0)
     head = EagleHead(HeadConfig.for_target(target, draft_vocab_size=512)).attach(target)
     head.set_draft_vocab(torch.arange(512) * 64)
     dec = SpeculativeDecoder(target, head)
-    screen, step, drafted = cpukernel.screen_argmax, GreedySteps.step, []
-    monkeypatch.setattr(cpukernel, "screen_argmax",
+    screen, step, drafted = kernels.screen_argmax, GreedySteps.step, []
+    monkeypatch.setattr(kernels, "screen_argmax",
                         lambda x, w: drafted.append(w is head.draft_lm_weight) or screen(x, w))
     monkeypatch.setattr(GreedySteps, "step", lambda self, *a: drafted.append(True) or step(self, *a))
     for p, base in zip(PROMPTS[:2], baselines):
         on = dec.generate(p, 40, num_speculative_tokens=2)
-        off = dec.generate(p, 40, num_speculative_tokens=2, screen_argmax=False)
+        off = dec.generate(p, 40, num_speculative_tokens=2, cpu=CPUConfig(screen_argmax=False))
         assert on.token_ids == off.token_ids == base.token_ids and on.accept_lengths == off.accept_lengths
     assert any(drafted)
 
@@ -77,14 +78,14 @@ def test_smollm2_weights_are_read_as_q4_1_codes_with_the_same_bits(target, basel
     weight instead of 4: on the FMA path a tree-masked verification pass gives the float32 copies' features bit for
     bit; on AMX tiles or VNNI byte products (other bits) its first row gives the one-token step's features bit for
     bit."""
-    from eagle import cpukernel
+    from cpu_backend import kernels
     from infer.cache import TargetCache
 
-    if not (cpukernel.available() and cpukernel.library().q4_supported()):
+    if not (kernels.available() and kernels.library().q4_supported()):
         pytest.skip("no Q4_1 path in the kernel here")
     layers = target.model.model.layers
     weights = [m.weight for m in layers.modules() if isinstance(m, torch.nn.Linear)]
-    assert len(weights) == 7 * len(layers) and all(cpukernel.q4_1_codes(w) is not None for w in weights)
+    assert len(weights) == 7 * len(layers) and all(kernels.q4_1_codes(w) is not None for w in weights)
     dec = SpeculativeDecoder(target, None)
     dec.use_fast_path(True)
     ids = torch.tensor([dec.encode(PROMPTS[0])])
@@ -95,9 +96,9 @@ def test_smollm2_weights_are_read_as_q4_1_codes_with_the_same_bits(target, basel
     feats = []
     with torch.inference_mode():
         for on, fast in ((True, False), (False, False), (True, True)):
-            monkeypatch.setattr(cpukernel, "Q4_1", on)
-            monkeypatch.setattr(cpukernel, "AMX", fast)
-            monkeypatch.setattr(cpukernel, "VNNI", fast)
+            monkeypatch.setattr(kernels, "Q4_1", on)
+            monkeypatch.setattr(kernels, "AMX", fast)
+            monkeypatch.setattr(kernels, "VNNI", fast)
             cache = TargetCache()
             target.features(ids, position_ids=torch.arange(n)[None], cache=cache.hf)
             step = target.features(new[:, :1], position_ids=torch.tensor([[n]]), cache=cache.hf)
@@ -105,8 +106,8 @@ def test_smollm2_weights_are_read_as_q4_1_codes_with_the_same_bits(target, basel
             tree_pass = target.features(new, position_ids=torch.tensor([[n, n + 1, n + 1, n + 2]]),
                                         cache=cache.hf, attention_mask=mask)
             feats.append((step, tree_pass))
-            vnni = fast and cpukernel.library().vq_supported()
-            assert cpukernel.packed(weights[0]) & 15 == (0 if not on else 2 if cpukernel.amx_on() else 9 if vnni else 1)
+            vnni = fast and kernels.library().vq_supported()
+            assert kernels.packed(weights[0]) & 15 == (0 if not on else 2 if kernels.amx_on() else 9 if vnni else 1)
     dec.use_fast_path(False)
     assert torch.equal(feats[0][0], feats[1][0]) and torch.equal(feats[0][1], feats[1][1])
     step, tree_pass = feats[2]
@@ -114,16 +115,16 @@ def test_smollm2_weights_are_read_as_q4_1_codes_with_the_same_bits(target, basel
     # its lm_head (the embedding, GGUF Q8_0) is read as int8 codes for the whole logits (sampling): a quarter of the
     # float32 bytes, the same logits bit for bit (the greedy screen read it: no byte products)
     lm = target.lm_head.weight
-    cpukernel.screen_tables(lm)  # as greedy decoding did (the tables are kept)
+    kernels.screen_tables(lm)  # as greedy decoding did (the tables are kept)
     rows = tree_pass[0].contiguous()
     logits = []
     with torch.inference_mode():
         for on in (True, False):
-            monkeypatch.setattr(cpukernel, "Q4_1", on)
-            assert cpukernel.packed(lm) & 15 == (5 if on else 0)
-            logits.append(cpukernel.rows_linear(rows, lm, None))
+            monkeypatch.setattr(kernels, "Q4_1", on)
+            assert kernels.packed(lm) & 15 == (5 if on else 0)
+            logits.append(kernels.rows_linear(rows, lm, None))
     assert torch.equal(*logits)
-    cpukernel.unpack(lm)  # the float32 copy's 113 MB back
+    kernels.unpack(lm)  # the float32 copy's 113 MB back
     assert torch.allclose(tree_pass, feats[1][1], rtol=1e-3, atol=1e-3)
 
 
@@ -169,8 +170,8 @@ def test_prep_then_a_few_training_steps_lower_the_loss(target, tmp_path):
 
 def test_eagle3_decoding_is_lossless_with_a_random_head(target, baselines, monkeypatch):
     """An EAGLE-3 head reads three target layers: the verification passes keep them from the one call of all layers
-    (`cpukernel.decoder_stack`), and decoding stays the target's own greedy."""
-    from eagle import cpukernel
+    (`kernels.decoder_stack`), and decoding stays the target's own greedy."""
+    from cpu_backend import kernels
     from eagle.head import eagle3_layers, make_head
 
     torch.manual_seed(0)
@@ -178,8 +179,8 @@ def test_eagle3_decoding_is_lossless_with_a_random_head(target, baselines, monke
                                 draft_vocab_size=512)
     head = make_head(cfg).attach(target)
     head.set_draft_vocab(torch.arange(512) * 64)
-    stack, kept = cpukernel.decoder_stack, []
-    monkeypatch.setattr(cpukernel, "decoder_stack", lambda *a, **kw: kept.append(a[-1] is not None) or stack(*a, **kw))
+    stack, kept = kernels.decoder_stack, []
+    monkeypatch.setattr(kernels, "decoder_stack", lambda *a, **kw: kept.append(a[-1] is not None) or stack(*a, **kw))
     dec = SpeculativeDecoder(target, head)
     for p, base in zip(PROMPTS[:2], baselines):
         assert dec.generate(p, 40, num_speculative_tokens=3).token_ids == base.token_ids

@@ -7,7 +7,8 @@ import pytest
 import torch
 from tiny import tiny_target
 
-from eagle import EagleHead, cpukernel
+from cpu_backend import kernels
+from eagle import EagleHead
 from eagle.configio import load_config
 from train.config import TrainConfig
 from train.loop import TrainError, drop_val_rows, train
@@ -364,9 +365,9 @@ def test_simulated_acceptance_is_what_decoding_accepts(tmp_path, target, monkeyp
     from infer import SpeculativeDecoder
     from train.loop import cached_features, load_rows, simulated_accepts
 
-    # the simulation drafts in float32; decoding's int8 / bfloat16 drafts (`cpukernel.draft_precision`) can flip a
+    # the simulation drafts in float32; decoding's int8 / bfloat16 drafts (`kernels.draft_precision`) can flip a
     # near tie of this tiny random model's draft logits, so they are compared in float32 here
-    monkeypatch.setattr(cpukernel, "LOW_PRECISION_DRAFTS", False)
+    monkeypatch.setattr(kernels, "LOW_PRECISION_DRAFTS", False)
 
     write_prepared(tmp_path / "data", target, rows=12)
     train(config(tmp_path, "budget.max_steps=60", "eval.num_speculative_tokens=3"), target=target)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from cpu_backend import CPUConfig
+
 
 @dataclass
 class ModelConfig:
@@ -109,9 +111,9 @@ class TrainConfig:
     tensorboard: bool = True  # also TensorBoard scalars in run_dir/tensorboard, when the package is installed
     seed: int = 0
     num_threads: int = 0  # torch threads (0: torch's default)
-    # on the CPU, the head's linear layers (forward and backward) and validation decoding through the packed C
-    # kernel (eagle.fastlinear); false: torch's own products throughout
-    fast_linear: bool = True
+    # the CPU backend: on the CPU, the head's linear layers (forward and backward) and validation decoding through
+    # the packed C kernel (`cpu.fast_path`); false: torch's own products throughout
+    cpu: CPUConfig = field(default_factory=CPUConfig)
     # "bf16": the training step's products in bfloat16 under autocast (weights, optimizer state, losses and
     # validation stay float32), as on GPUs; the packed kernel is then not used for training. On a 2-core CPU with
     # AMX it made fewer steps a minute than float32 (each new batch shape builds a new kernel; BENCHMARKS.md).

@@ -28,12 +28,12 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+import cpu_backend
 from data_prep.prep import assistant_token_counts, load_examples
 from eagle import EagleHead, HeadCache, HeadConfig, TargetModel, load_target
 from eagle.checkpoint import check_head_dir, fsync_path, load_head, recover_dir, replace_dir, save_head
 from eagle.features import DTYPES as FEATURE_DTYPES, features_path, flat_rows, load_features, save_features
 from eagle.configio import save_config
-from eagle.fastlinear import enable_fast_linear, linear_as, plan_training
 from eagle.head import eagle3_layers, make_head
 from train.config import TrainConfig
 from train.runlog import RunLog
@@ -300,10 +300,7 @@ def head_loss(head: EagleHead, ids, mask, feats, cfg: TrainConfig, gen, noise: b
         if out.shape[0] == 0:  # nothing scored at this step (a later chain step may still be)
             continue
         with torch.no_grad():
-            p_logits = linear_as(head.lm_head, want, head.draft_lm_weight)  # F.linear unless the fast path is on
-            if head.config.logit_softcap:
-                p_logits = torch.tanh(p_logits / head.config.logit_softcap) * head.config.logit_softcap
-            p = F.softmax(p_logits.float(), dim=-1)  # float32 even when the products run in bfloat16
+            p = F.softmax(head.target_logits(want).float(), dim=-1)  # float32 even when the products run in bfloat16
         log_q = F.log_softmax(head.logits(out).float(), dim=-1)
         ce = -(p * log_q).sum(-1).mean()
         if eagle3:
@@ -483,7 +480,7 @@ def validate(head, target, val_rows, val_feats, prompts, cfg: TrainConfig) -> di
         emitted = rounds = 0
         for p in prompts:
             out = dec.generate(p, cfg.eval.max_new_tokens, num_speculative_tokens=cfg.eval.num_speculative_tokens,
-                               fast_linear=cfg.fast_linear)
+                               cpu=cfg.cpu)
             emitted += sum(out.accept_lengths) + out.rounds
             rounds += out.rounds
         stats["val_tau"] = emitted / max(rounds, 1)
@@ -592,10 +589,9 @@ def train(cfg: TrainConfig, target: TargetModel | None = None) -> dict:
     head, opt = accelerator.prepare(head, opt)
     raw = accelerator.unwrap_model(head)
     autocast = torch.autocast(accelerator.device.type, dtype=torch.bfloat16, enabled=cfg.mixed_precision == "bf16")
-    if cfg.fast_linear and accelerator.device.type == "cpu" and cfg.mixed_precision == "none":
-        enable_fast_linear(raw)  # the layers' products, forward and backward, through the packed kernel
-        timings = plan_training(raw, min(cfg.optim.batch_tokens, 1024))  # ... where it beats F.linear's here
-        slower = sorted(k for k, t in timings.items() if t["kernel"] >= t["linear"])
+    if cfg.cpu.fast_path and accelerator.device.type == "cpu" and cfg.mixed_precision == "none":
+        cpu_backend.enable(raw)  # the layers' products, forward and backward, through the packed kernel
+        slower = cpu_backend.plan_training(raw, min(cfg.optim.batch_tokens, 1024))  # ... where it beats F.linear's
         if slower:
             print(f"training products through F.linear for {', '.join(slower)} (measured faster than the kernel)")
 

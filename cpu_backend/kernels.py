@@ -62,12 +62,12 @@ from pathlib import Path
 
 import torch
 
-from eagle import gguf_codes
+from cpu_backend import gguf_codes
 from eagle.target import cache_root
 
 BLOCK = 32  # input features consumed per inner iteration: in_features must be a multiple
 
-CSRC = Path(__file__).resolve().parents[1] / "cpu_backend" / "csrc"  # the kernels' C: kernels.c includes the rest
+CSRC = Path(__file__).resolve().parent / "csrc"  # the C: kernels.c and the parts it includes
 
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-Wall", "-Wextra"]
 

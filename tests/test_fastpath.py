@@ -1,14 +1,15 @@
-"""The measured matmul layouts (eagle.fastlinear) compute what F.linear computes, and come off cleanly."""
+"""The measured matmul layouts (cpu_backend.fastpath) compute what F.linear computes, and come off cleanly."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from eagle import cpukernel, fastlinear
-from eagle.fastlinear import (BUCKETS, LAYOUTS, Plan, calibrate, disable_fast_linear, enable_fast_linear,
+from cpu_backend import fastpath, kernels
+from cpu_backend.fastpath import (BUCKETS, LAYOUTS, Plan, calibrate, disable_fast_linear, enable_fast_linear,
                               fast_linear_enabled, linear)
 from eagle.attention import use_gqa_sdpa
+from cpu_backend import CPUConfig
 from infer import SpeculativeDecoder
 from infer.cache import TargetCache
 from paths import kernel_path_missing
@@ -30,30 +31,30 @@ def test_layouts_match_f_linear(layout, shape):
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * shape[1] ** 0.5)
 
 
-@pytest.mark.skipif(not cpukernel.available(), reason="the C kernel does not build here")
+@pytest.mark.skipif(not kernels.available(), reason="the C kernel does not build here")
 def test_kernel_gives_every_row_the_same_bits_whatever_the_row_count():
     # what makes a verification pass give each token exactly the logits of a single-token step
     # 100 outputs: three packed blocks of 32 and a partial one; up to 30 rows: tiles of 12, halves, single rows
     g = torch.Generator().manual_seed(1)
     w, b = torch.randn(100, 64, generator=g), torch.randn(100, generator=g)
     x = torch.randn(30, 64, generator=g)
-    alone = torch.cat([cpukernel.rows_linear(x[i:i + 1], w, b) for i in range(30)])
+    alone = torch.cat([kernels.rows_linear(x[i:i + 1], w, b) for i in range(30)])
     torch.testing.assert_close(alone, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
     for rows in (2, 3, 8, 13, 17, 30):
-        assert torch.equal(cpukernel.rows_linear(x[:rows], w, b), alone[:rows])
-    assert not cpukernel.supports(torch.randn(8, 20)) and not cpukernel.supports(torch.randn(64, 8).t())
+        assert torch.equal(kernels.rows_linear(x[:rows], w, b), alone[:rows])
+    assert not kernels.supports(torch.randn(8, 20)) and not kernels.supports(torch.randn(64, 8).t())
 
 
-@pytest.mark.skipif(not cpukernel.available(), reason="the C kernel does not build here")
+@pytest.mark.skipif(not kernels.available(), reason="the C kernel does not build here")
 def test_kernel_follows_a_weight_changed_in_place():
     # the packed copy kept beside a weight is remade after an optimizer step (a head validated while it trains)
     w = nn.Parameter(torch.randn(40, 32))
     x = torch.randn(3, 32)
-    before = cpukernel.rows_linear(x, w, None)
+    before = kernels.rows_linear(x, w, None)
     with torch.no_grad():
         w.mul_(2)
-    torch.testing.assert_close(cpukernel.rows_linear(x, w, None), 2 * before)
-    assert cpukernel.pack(w).shape == (2, 32, 32)  # 40 outputs: one block of 32 and one padded with zeros
+    torch.testing.assert_close(kernels.rows_linear(x, w, None), 2 * before)
+    assert kernels.pack(w).shape == (2, 32, 32)  # 40 outputs: one block of 32 and one padded with zeros
 
 
 def test_plan_covers_every_shape_and_bucket():
@@ -69,9 +70,9 @@ def test_plan_covers_every_shape_and_bucket():
 
 def test_plan_keeps_the_kernel_unless_another_layout_is_clearly_faster():
     # a 4 % difference is within this machine's noise; 6 % is taken
-    assert fastlinear._choose({"linear": 100.0, "wxt": 120.0, "kernel": 104.0}) == "kernel"
-    assert fastlinear._choose({"linear": 100.0, "wxt": 120.0, "kernel": 106.0}) == "linear"
-    assert fastlinear._choose({"linear": 100.0, "wxt": 90.0}) == "wxt"  # no kernel on this machine
+    assert fastpath._choose({"linear": 100.0, "wxt": 120.0, "kernel": 104.0}) == "kernel"
+    assert fastpath._choose({"linear": 100.0, "wxt": 120.0, "kernel": 106.0}) == "linear"
+    assert fastpath._choose({"linear": 100.0, "wxt": 90.0}) == "wxt"  # no kernel on this machine
 
 
 def test_enable_then_remove_restores_the_stock_forward():
@@ -95,28 +96,28 @@ def test_speculative_greedy_equals_plain_greedy_with_fast_linear_on_and_off():
     target = tiny_target()
     dec = SpeculativeDecoder(target, tiny_head(target))
     prompt = [5, 9, 14, 22, 7]
-    plain_off = dec.generate(prompt, max_new_tokens=24, speculative=False, fast_linear=False).token_ids
+    plain_off = dec.generate(prompt, max_new_tokens=24, speculative=False, cpu=CPUConfig(fast_path=False)).token_ids
     assert not fast_linear_enabled(target.model)
     plain_on = dec.generate(prompt, max_new_tokens=24, speculative=False).token_ids
     spec_on = dec.generate(prompt, max_new_tokens=24, num_speculative_tokens=3).token_ids
     assert fast_linear_enabled(target.model) and fast_linear_enabled(dec.head)
     assert "forward" in dec.head.fc.__dict__  # the head's own layers, not only the lm_head it shares
     assert plain_on == plain_off == spec_on
-    dec.generate(prompt, max_new_tokens=4, fast_linear=False)
+    dec.generate(prompt, max_new_tokens=4, cpu=CPUConfig(fast_path=False))
     assert not fast_linear_enabled(target.model) and not fast_linear_enabled(dec.head)
     assert not any("forward" in m.__dict__ for m in target.model.modules())
 
 
-@pytest.mark.skipif(not cpukernel.available(), reason="the C kernel does not build here")
+@pytest.mark.skipif(not kernels.available(), reason="the C kernel does not build here")
 def test_gated_and_norm_kernels_match_torch_and_give_each_row_the_same_bits():
     g = torch.Generator().manual_seed(2)
     gate, up, x = torch.randn(80, 64, generator=g), torch.randn(80, 64, generator=g), torch.randn(9, 64, generator=g)
     want = F.silu(x @ gate.T) * (x @ up.T)
-    torch.testing.assert_close(cpukernel.rows_gated(x, gate, up), want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(kernels.rows_gated(x, gate, up), want, rtol=1e-4, atol=1e-4)
     w = torch.randn(64, generator=g)
     norm = w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5))
-    torch.testing.assert_close(cpukernel.rms_norm(x, w, 1e-5), norm)
-    for fn in (lambda rows: cpukernel.rows_gated(rows, gate, up), lambda rows: cpukernel.rms_norm(rows, w, 1e-5)):
+    torch.testing.assert_close(kernels.rms_norm(x, w, 1e-5), norm)
+    for fn in (lambda rows: kernels.rows_gated(rows, gate, up), lambda rows: kernels.rms_norm(rows, w, 1e-5)):
         alone = torch.cat([fn(x[i:i + 1]) for i in range(9)])
         for rows in (2, 3, 9):  # two-block tiles up to 3 rows, one-block tiles above
             assert torch.equal(fn(x[:rows]), alone[:rows])
@@ -137,7 +138,7 @@ class _OnePlusNorm(nn.Module):
 _OnePlusNorm.__name__ = "GemmaLikeRMSNorm"
 
 
-@pytest.mark.skipif(not cpukernel.available(), reason="the C kernel does not build here")
+@pytest.mark.skipif(not kernels.available(), reason="the C kernel does not build here")
 def test_norms_and_gated_mlps_are_patched_only_where_the_kernel_matches_them():
     model = tiny_target(dtype=torch.float32).model  # the kernel takes float32
     model.add_module("odd_norm", _OnePlusNorm(model.config.hidden_size))
@@ -151,8 +152,9 @@ def test_norms_and_gated_mlps_are_patched_only_where_the_kernel_matches_them():
                                                 {f"{m.weight.shape[0]}x{m.weight.shape[1]}" for m in
                                                  model.modules() if isinstance(m, nn.Linear)}}))
         patched = {type(m).__name__ for m in model.modules() if m.__dict__.get("_fast_module")}
-        # (the base model keeps its forward: its layers run in one call each only with gqa_sdpa attention)
-        assert patched == {"LlamaRMSNorm", "LlamaMLP", "LlamaAttention", "LlamaDecoderLayer", "GemmaLikeRMSNorm"}
+        # (enabling switched the attention to the backend's, so the base model runs all its layers in one call too)
+        assert patched == {"LlamaRMSNorm", "LlamaMLP", "LlamaAttention", "LlamaDecoderLayer", "GemmaLikeRMSNorm",
+                           "LlamaModel"}
         x = torch.randn(3, model.config.hidden_size)
         assert model.odd_norm._fast_offset == 1.0
         torch.testing.assert_close(model.odd_norm(x), _OnePlusNorm.forward(model.odd_norm, x))
@@ -182,13 +184,13 @@ def test_attention_modules_and_layers_are_patched_bit_for_bit_and_only_plain_one
     prefix, nodes = torch.randint(0, 96, (1, 9), generator=g), torch.randint(0, 96, (1, 6), generator=g)
     parents = torch.tensor([-1, 0, 0, 1, 2, 4])
     calls = []
-    one_call = cpukernel.decoder_layer
+    one_call = kernels.decoder_layer
     with torch.no_grad():
-        cpukernel.decoder_layer = lambda x, *a: calls.append(x.shape[1]) or one_call(x, *a)
+        kernels.decoder_layer = lambda x, *a: calls.append(x.shape[1]) or one_call(x, *a)
         try:
             one_call_layers = _verify_logits(target, prefix, nodes, parents)
         finally:
-            cpukernel.decoder_layer = one_call
+            kernels.decoder_layer = one_call
         assert calls == [6, 6]  # the prefill's causal mask is skipped (sdpa's is_causal): its layers run their parts
         for layer in layers[1:]:
             del layer.forward, layer._fast_module
@@ -201,7 +203,7 @@ def test_attention_modules_and_layers_are_patched_bit_for_bit_and_only_plain_one
     use_gqa_sdpa(target.model, False)
 
 
-@pytest.mark.skipif(not cpukernel.available(), reason="the C kernel does not build here")
+@pytest.mark.skipif(not kernels.available(), reason="the C kernel does not build here")
 def test_every_layer_in_one_call_gives_the_one_call_layers_bits():
     # a base model whose decoder layers all run in one call each runs them all in one C call (decoder_stack) for
     # tree-masked passes, causal passes after a cached past and one-row steps, with every layer's hidden states if
@@ -218,8 +220,8 @@ def test_every_layer_in_one_call_gives_the_one_call_layers_bits():
     g = torch.Generator().manual_seed(5)
     prefix, nodes = torch.randint(0, 96, (1, 9), generator=g), torch.randint(0, 96, (1, 6), generator=g)
     parents = torch.tensor([-1, 0, 0, 1, 2, 4])
-    stack, calls = cpukernel.decoder_stack, []
-    cpukernel.decoder_stack = lambda x, *a: calls.append(x.shape[1]) or stack(x, *a)
+    stack, calls = kernels.decoder_stack, []
+    kernels.decoder_stack = lambda x, *a: calls.append(x.shape[1]) or stack(x, *a)
     try:
         with torch.no_grad():
             tree_pass = _verify_logits(target, prefix, nodes, parents)
@@ -247,7 +249,7 @@ def test_every_layer_in_one_call_gives_the_one_call_layers_bits():
                                                cache=_prefilled(target, prefix)), changed)
             base.forward = fast
     finally:
-        cpukernel.decoder_stack = stack
+        kernels.decoder_stack = stack
     disable_fast_linear(target.model)
     assert "forward" not in base.__dict__ and "_stack_rows" not in base.__dict__
     use_gqa_sdpa(target.model, False)
@@ -256,7 +258,7 @@ def test_every_layer_in_one_call_gives_the_one_call_layers_bits():
 def test_rotary_table_rows_are_the_modules_own_bits():
     # the stack's rotary (cos, sin) come from a table the module made in one call: the same bits as the module's
     # own call at any positions, in any order; past the model's maximum the module's own call
-    from eagle.fastlinear import _rotary
+    from cpu_backend.fastpath import _rotary
 
     target = tiny_target(dtype=torch.float32, hidden=64, layers=2)
     base = target.model.model
@@ -278,7 +280,7 @@ def _prefilled(target, prefix):
     return cache.hf
 
 
-@pytest.mark.skipif(not cpukernel.available(), reason="the C kernel does not build here")
+@pytest.mark.skipif(not kernels.available(), reason="the C kernel does not build here")
 def test_kernel_products_give_f_linear_gradients():
     # a head trained with its linear layers patched: forward and backward products through the packed kernel
     g = torch.Generator().manual_seed(3)
@@ -287,7 +289,7 @@ def test_kernel_products_give_f_linear_gradients():
     b = torch.randn(70, generator=g, requires_grad=True)
     gy = torch.randn(2, 19, 70, generator=g)
     want = torch.autograd.grad(F.linear(x, w, b), (x, w, b), gy)
-    got = torch.autograd.grad(cpukernel.linear_with_grad(x, w, b), (x, w, b), gy)
+    got = torch.autograd.grad(kernels.linear_with_grad(x, w, b), (x, w, b), gy)
     for a, c in zip(got, want):
         assert a.shape == c.shape
         torch.testing.assert_close(a, c, rtol=1e-4, atol=1e-4)
@@ -297,11 +299,11 @@ def test_kernel_products_give_f_linear_gradients():
     assert layer.weight.grad is not None and x.grad is not None
 
 
-@pytest.mark.skipif(not cpukernel.available(), reason="the C kernel does not build here")
+@pytest.mark.skipif(not kernels.available(), reason="the C kernel does not build here")
 def test_training_products_take_the_path_measured_faster(tmp_path, monkeypatch):
     """plan_training times the kernel's and F.linear's forward + backward per weight shape, caches the timings per
     machine, and each patched layer then trains through the faster one."""
-    import eagle.fastlinear as fl
+    import cpu_backend.fastpath as fl
 
     monkeypatch.setenv("EAGLE_CACHE", str(tmp_path))
     model = nn.Sequential(nn.Linear(64, 96), nn.Linear(96, 32))
@@ -314,7 +316,7 @@ def test_training_products_take_the_path_measured_faster(tmp_path, monkeypatch):
     assert fl.plan_training(model, rows=64, repeats=1) == timings
 
     calls = []
-    monkeypatch.setattr(cpukernel, "linear_with_grad", lambda *a: calls.append(1) or F.linear(*a))
+    monkeypatch.setattr(kernels, "linear_with_grad", lambda *a: calls.append(1) or F.linear(*a))
     x = torch.randn(5, 64, requires_grad=True)
     for choice in (True, False):
         for m in model:
@@ -342,11 +344,11 @@ def _check_screen_against_the_kernel(seed: int) -> None:
             x[0] = w[10] * 2
             if rows == 5:
                 x[3, 1] = float("nan")
-            got = cpukernel.screen_argmax(x, w)
-            want = cpukernel.rows_linear(x, w, None).argmax(-1)
+            got = kernels.screen_argmax(x, w)
+            want = kernels.rows_linear(x, w, None).argmax(-1)
             assert got.dtype == torch.int64 and got.shape == (rows,)
             assert torch.equal(got, want), (vocab, width, rows)
-        assert torch.equal(cpukernel.screen_argmax(x[None], w), want[None])  # leading axes kept
+        assert torch.equal(kernels.screen_argmax(x[None], w), want[None])  # leading axes kept
 
 
 def _check_screen_edge_cases() -> None:
@@ -356,35 +358,35 @@ def _check_screen_edge_cases() -> None:
     w[0, 0], w[1, 0] = 0.5, 0.6
     x = torch.zeros(1, 32)
     x[0, 0] = 3 * 2.0 ** -149
-    assert cpukernel.screen_argmax(x, w).tolist() == cpukernel.rows_linear(x, w, None).argmax(-1).tolist() == [0]
+    assert kernels.screen_argmax(x, w).tolist() == kernels.rows_linear(x, w, None).argmax(-1).tolist() == [0]
     w = torch.randn(300, 64, generator=g)
     w[5, 3] = 0.0
     x = torch.randn(4, 64, generator=g)
     x[0] = 0.0            # every output ties at 0: too many candidates, the whole product
     x[1, 3] = float("inf")  # 0 * inf = NaN in row 5's logit: torch's argmax takes the first NaN
     x[2] *= 1e30          # logits that may overflow
-    want = cpukernel.rows_linear(x, w, None).argmax(-1)
-    assert torch.equal(cpukernel.screen_argmax(x, w), want)
+    want = kernels.rows_linear(x, w, None).argmax(-1)
+    assert torch.equal(kernels.screen_argmax(x, w), want)
     w[7, 0] = float("nan")  # a weight with a NaN: no tables, the whole product
-    assert cpukernel.screen_tables(w) is None
-    assert torch.equal(cpukernel.screen_argmax(x, w), cpukernel.rows_linear(x, w, None).argmax(-1))
+    assert kernels.screen_tables(w) is None
+    assert torch.equal(kernels.screen_argmax(x, w), kernels.rows_linear(x, w, None).argmax(-1))
 
 
-@pytest.mark.skipif(not cpukernel.available(), reason="the C kernel does not build here")
+@pytest.mark.skipif(not kernels.available(), reason="the C kernel does not build here")
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("tiles", [True, False])
 def test_screened_argmax_is_the_kernels_argmax_bit_for_bit(threads, tiles, monkeypatch):
     # tiles: the AMX layout where this machine has it (tile products from 5 rows; below, the pairs layout's second
     # copy, or with SCREEN_TILE_ROWS = 0 byte products on the tiles' layout), else the VNNI pairs' (or the float
     # path's)
-    if tiles and not (cpukernel.library().screen_tiles() and cpukernel.amx_on()):
+    if tiles and not (kernels.library().screen_tiles() and kernels.amx_on()):
         pytest.skip("no AMX-INT8 here")
-    monkeypatch.setattr(cpukernel, "AMX", tiles and cpukernel.AMX)
+    monkeypatch.setattr(kernels, "AMX", tiles and kernels.AMX)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         for few in (5, 0) if tiles else (5,):
-            monkeypatch.setattr(cpukernel, "SCREEN_TILE_ROWS", few)
+            monkeypatch.setattr(kernels, "SCREEN_TILE_ROWS", few)
             _check_screen_against_the_kernel(3 + threads)
             _check_screen_edge_cases()
     finally:
@@ -394,33 +396,33 @@ def test_screened_argmax_is_the_kernels_argmax_bit_for_bit(threads, tiles, monke
 def test_screened_argmax_without_vnni(request, monkeypatch):
     # the int8-to-float path that CPUs without AVX512-VNNI take (the avx2 path), checked on a VNNI machine too
     reason = kernel_path_missing("avx2")
-    if reason or not cpukernel.library().screen_pairs():
+    if reason or not kernels.library().screen_pairs():
         pytest.skip(f"avx2 path: {reason}" if reason else "the native build already takes the float path")
-    monkeypatch.setattr(cpukernel, "_lib", request.getfixturevalue("avx2_library"))
-    monkeypatch.setattr(cpukernel, "_amx", None)
-    assert not cpukernel._lib.screen_pairs()
+    monkeypatch.setattr(kernels, "_lib", request.getfixturevalue("avx2_library"))
+    monkeypatch.setattr(kernels, "_amx", None)
+    assert not kernels._lib.screen_pairs()
     _check_screen_against_the_kernel(7)
     _check_screen_edge_cases()
 
 
-@pytest.mark.skipif(not cpukernel.available(), reason="the C kernel does not build here")
+@pytest.mark.skipif(not kernels.available(), reason="the C kernel does not build here")
 def test_greedy_decoding_through_the_screen_gives_the_same_tokens(monkeypatch):
     target = tiny_target(dtype=torch.float32, hidden=64, vocab_size=96)
     head = tiny_head(target)
-    kernel_everywhere = Plan(layouts={fastlinear._shape_key(m.weight): {b: "kernel" for b in BUCKETS}
-                                      for model in (target.model, head) for m in fastlinear._linears(model)})
+    kernel_everywhere = Plan(layouts={fastpath._shape_key(m.weight): {b: "kernel" for b in BUCKETS}
+                                      for model in (target.model, head) for m in fastpath._linears(model)})
     for model in (target.model, head):  # the layouts the screen follows: the kernel's for every row count
         enable_fast_linear(model, plan=kernel_everywhere)
     calls = []
-    screen = cpukernel.screen_argmax
-    monkeypatch.setattr(cpukernel, "screen_argmax", lambda x, w: calls.append(x.shape[0]) or screen(x, w))
+    screen = kernels.screen_argmax
+    monkeypatch.setattr(kernels, "screen_argmax", lambda x, w: calls.append(x.shape[0]) or screen(x, w))
     dec = SpeculativeDecoder(target, head)
     prompt = [5, 9, 14, 22, 7]
-    whole = dec.generate(prompt, max_new_tokens=24, speculative=False, screen_argmax=False).token_ids
+    whole = dec.generate(prompt, max_new_tokens=24, speculative=False, cpu=CPUConfig(screen_argmax=False)).token_ids
     assert not calls
     plain = dec.generate(prompt, max_new_tokens=24, speculative=False).token_ids
     assert calls and set(calls) == {1}
     spec = dec.generate(prompt, max_new_tokens=24, num_speculative_tokens=3).token_ids
     assert 4 in calls  # verification passes of 1 + 3 tokens
-    off = dec.generate(prompt, max_new_tokens=24, speculative=False, fast_linear=False).token_ids
+    off = dec.generate(prompt, max_new_tokens=24, speculative=False, cpu=CPUConfig(fast_path=False)).token_ids
     assert plain == whole == spec == off

@@ -5,7 +5,7 @@ At batch 1 every decoder step multiplies each weight by a handful of rows, so a 
 weights. The stock `F.linear(x, W)` is a poor reader for 1-16 rows on this machine (torch 2.13, MKL, 2 threads:
 SmolLM2's 30 layers take ~44-54 ms for one row and ~60 ms for eight). Three layouts are measured:
 `linear` (the stock product), `wxt` (`(W @ x.T).T`, one row padded to two: ~25 ms for 2-4 rows) and `kernel`
-(`eagle.cpukernel`, a small C kernel that streams each weight row once: ~31-36 ms for 1-4 rows in a slow hour
+(`cpu_backend.kernels`, a small C kernel that streams each weight row once: ~31-36 ms for 1-4 rows in a slow hour
 where `F.linear` took 52 ms for one). Which layout wins depends on the shape, the row count and the machine,
 so `calibrate` times them all and keeps the fastest: over whole forward passes when it is given a function that
 runs one (the decoder does), else over all weights of each shape in a cold sweep.
@@ -21,15 +21,15 @@ the row counts where the plan chose the kernel for its gate projection. Llama-st
 o projections and nothing else) get a forward that does the same steps with far fewer torch operations (the
 rotary embedding in one C call, the products called directly): on this machine a step's Python and torch
 overhead around the C calls was ~10 ms of ~60 (BENCHMARKS.md). A decoder layer whose two norms, attention and
-MLP are all patched runs in one C call (`cpukernel.decoder_layer`, bit for bit what its parts compute) for one
+MLP are all patched runs in one C call (`kernels.decoder_layer`, bit for bit what its parts compute) for one
 sequence of up to 64 rows with a preallocated cache, after a check with random rows and a cache that it computes
-what the layer's own forward does; an attention module alone likewise (`cpukernel.attention_block`). A base model
+what the layer's own forward does; an attention module alone likewise (`kernels.attention_block`). A base model
 (Llama-style: embedding, such layers, norm, rotary embedding, full attention) then runs all its layers in one C call
-(`cpukernel.decoder_stack`) for such passes, after a check that this gives its own forward's numbers bit for bit:
+(`kernels.decoder_stack`) for such passes, after a check that this gives its own forward's numbers bit for bit:
 the Python around 30 layer calls was ~4-5 ms of a ~32 ms SmolLM2 pass (BENCHMARKS.md).
 
 The plan is cached per machine, thread count, torch version, set of shapes, available layouts and kernel path
-(`cpukernel.path_key`: the build and the `EAGLE_NO_*` switches) under `$EAGLE_CACHE/fastlinear/`;
+(`kernels.path_key`: the build and the `EAGLE_NO_*` switches) under `$EAGLE_CACHE/fastpath/`;
 `EAGLE_RECALIBRATE=1` measures it again. A plan changes speed only: every layout gives the target's tokens.
 With gradients enabled (training a head) a patched linear layer's products, forward and backward, run through the
 packed kernel too (`train_linear`), or through `F.linear` where `plan_training` measured that faster; norms,
@@ -62,16 +62,16 @@ from transformers import DynamicCache
 from transformers.modeling_outputs import BaseModelOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from eagle import cpukernel
-from eagle.attention import IMPLEMENTATION as ATTENTION_IMPLEMENTATION
-from eagle.attention import MAX_ROWS as ATTENTION_ROWS
+from cpu_backend import attention, kernels
+from cpu_backend.attention import IMPLEMENTATION as ATTENTION_IMPLEMENTATION
+from cpu_backend.attention import MAX_ROWS as ATTENTION_ROWS
 from eagle.target import PreallocatedLayer, cache_root, preallocated_cache
 
 # row counts measured; a call uses the plan of the smallest bucket >= its rows. Up to 256: batched regeneration
 # (data_prep) multiplies each weight by one row per sequence of its batch, where the packed kernel beat MKL too.
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 MAX_ROWS = BUCKETS[-1]
-# "linear": F.linear; "wxt": (W @ x.T).T; "kernel": eagle.cpukernel's C kernel (where it builds and fits the shape)
+# "linear": F.linear; "wxt": (W @ x.T).T; "kernel": cpu_backend.kernels's C kernel (where it builds and fits the shape)
 LAYOUTS = ("linear", "wxt", "kernel")
 # the kernel is kept unless another layout is this much faster: with it a verification pass gives every token the
 # bits of a single step and a decoder layer runs in one C call, and on this noisy machine a one-off calibration
@@ -80,7 +80,7 @@ KERNEL_MARGIN = 1.05
 
 
 def available_layouts() -> tuple[str, ...]:
-    return LAYOUTS if cpukernel.available() else tuple(x for x in LAYOUTS if x != "kernel")
+    return LAYOUTS if kernels.available() else tuple(x for x in LAYOUTS if x != "kernel")
 
 
 def _wxt(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -98,13 +98,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lay
 
 def _fitting(layout: str, weight: torch.Tensor) -> str:
     """`layout`, or "linear" where it is the kernel and the kernel cannot take this weight here."""
-    fits = layout != "kernel" or (cpukernel.supports(weight) and cpukernel.available())
+    fits = layout != "kernel" or (kernels.supports(weight) and kernels.available())
     return layout if fits else "linear"
 
 
 def _apply(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, layout: str) -> torch.Tensor:
     if layout == "kernel" and x.dtype == torch.float32:
-        return cpukernel.rows_linear(x, weight, bias)
+        return kernels.rows_linear(x, weight, bias)
     if layout == "wxt":
         return _wxt(x.reshape(-1, x.shape[-1]), weight, bias).view(*x.shape[:-1], weight.shape[0])
     return F.linear(x, weight, bias)
@@ -181,7 +181,7 @@ def _time_passes(model, groups, rows: int, repeats: int, run) -> dict[str, float
             seconds = run(rows)
             if r:
                 samples[layout].append(seconds * 1e3)
-    disable_fast_linear(model)
+    _unpatch(model)
     return {layout: round(statistics.median(v), 3) for layout, v in samples.items()}
 
 
@@ -207,9 +207,9 @@ def _plan_path(model: nn.Module, how: str) -> str:
     shapes = sorted({_shape_key(m.weight) + str(m.weight.dtype) for m in _linears(model)})
     # a changed kernel, or a switch that routes products through other code (EAGLE_NO_AMX, ...), plans anew
     ident = json.dumps([platform.processor() or platform.machine(), _cpu_name(), torch.get_num_threads(),
-                        torch.__version__, shapes, how, available_layouts(), cpukernel.path_key(), BUCKETS,
+                        torch.__version__, shapes, how, available_layouts(), kernels.path_key(), BUCKETS,
                         KERNEL_MARGIN])
-    return str(cache_root() / "fastlinear" / f"{hashlib.sha1(ident.encode()).hexdigest()[:16]}.json")
+    return str(cache_root() / "fastpath" / f"{hashlib.sha1(ident.encode()).hexdigest()[:16]}.json")
 
 
 def _cpu_name() -> str:
@@ -284,17 +284,17 @@ def _fast_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     if _wants_grad(x, w):
         return _grad_linear(self, x, w, self.bias)
     layout = self._fast_by_rows[_row_index(x)]  # layouts checked to fit when patched
-    if layout != "kernel" and cpukernel.in_draft_precision(w):  # the plan measured float32; drafts read less
+    if layout != "kernel" and kernels.in_draft_precision(w):  # the plan measured float32; drafts read less
         layout = "kernel"
     return _apply(x, w, self.bias, layout)
 
 
 def train_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """`F.linear` where gradients are wanted: its forward and backward products through the packed kernel
-    (`cpukernel.linear_with_grad`) for float32 on the CPU with the kernel built, else `F.linear` itself."""
+    (`kernels.linear_with_grad`) for float32 on the CPU with the kernel built, else `F.linear` itself."""
     if (x.dtype == weight.dtype == torch.float32 and x.is_cpu and weight.is_cpu and x.dim() >= 2
-            and cpukernel.available()):
-        return cpukernel.linear_with_grad(x, weight, bias)
+            and kernels.available()):
+        return kernels.linear_with_grad(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
@@ -322,18 +322,18 @@ def _stock_path(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 def _norm_weight(norm: nn.Module) -> torch.Tensor:
     """The scale a patched RMS norm's kernel applies: its weight, or for Gemma's norms (`_fast_offset` 1.0) 1 + weight
-    as their forward makes it, in float32, kept on the weight as the packed copies are (`cpukernel.kept`)."""
+    as their forward makes it, in float32, kept on the weight as the packed copies are (`kernels.kept`)."""
     w = norm._parameters["weight"]  # not the module attribute: ~3-5 us a read here, six a Gemma layer a pass
     offset = norm.__dict__.get("_fast_offset", 0.0)
-    return cpukernel.kept(w, "_eagle_plus_offset", lambda t: (t + offset).detach(), offset) if offset else w
+    return kernels.kept(w, "_eagle_plus_offset", lambda t: (t + offset).detach(), offset) if offset else w
 
 
 def _norm_kernel(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    return cpukernel.rms_norm(x, _norm_weight(self), self._fast_eps)
+    return kernels.rms_norm(x, _norm_weight(self), self._fast_eps)
 
 
 def _mlp_kernel(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    gated = cpukernel.rows_gated(x, self.gate_proj.weight, self.up_proj.weight, self.__dict__.get("_fast_act", 0))
+    gated = kernels.rows_gated(x, self.gate_proj.weight, self.up_proj.weight, self.__dict__.get("_fast_act", 0))
     return self.down_proj(gated)
 
 
@@ -360,7 +360,7 @@ def _attention_kernel(self: nn.Module, x: torch.Tensor, position_embeddings, mas
     k = _apply(x, self.k_proj.weight, self.k_proj.bias, self.k_proj._fast_by_rows[rows])
     if "q_norm" in self._modules:  # Qwen3's, Gemma-3's: each head's query and key normed before the rotation
         q, k = self.q_norm(q.view(b, m, -1, d)).view(b, m, -1), self.k_norm(k.view(b, m, -1, d)).view(b, m, -1)
-    q, k = cpukernel.rope_(q, cos, sin, d), cpukernel.rope_(k, cos, sin, d)
+    q, k = kernels.rope_(q, cos, sin, d), kernels.rope_(k, cos, sin, d)
     v = _apply(x, self.v_proj.weight, self.v_proj.bias, self.v_proj._fast_by_rows[rows])
     q, k, v = (t.view(b, m, -1, d).transpose(1, 2) for t in (q, k, v))
     if cache is not None:
@@ -432,33 +432,33 @@ def _projections(attn: nn.Module) -> tuple:
 
 
 def _fused_attention(self: nn.Module, x: torch.Tensor, pe, mask, cache) -> torch.Tensor | None:
-    """The whole attention module in one C call (`cpukernel.attention_block`, the same numbers as
+    """The whole attention module in one C call (`kernels.attention_block`, the same numbers as
     `_attention_kernel` with `gqa_sdpa`) where `_cache_slot` allows it, else None."""
     slot = _cache_slot(self, x, pe, mask, cache) if self._fused_rows[min(x.shape[1], MAX_ROWS)] else None
     if slot is None:
         return None
     layer, past = slot
-    y = cpukernel.attention_block(x, _projections(self), *self._fused_dims, pe[0], pe[1], layer._k, layer._v, past,
+    y = kernels.attention_block(x, _projections(self), *self._fused_dims, pe[0], pe[1], layer._k, layer._v, past,
                                   mask, self.scaling, _qk_norms(self))
     layer.filled(past + x.shape[1])
     return y
 
 
 def _qk_norms(attn: nn.Module) -> tuple | None:
-    """`cpukernel.attention_block`'s qk_norms for a planned attention module: None, or its q and k norms' scales
+    """`kernels.attention_block`'s qk_norms for a planned attention module: None, or its q and k norms' scales
     and epsilon."""
     qk = attn._fused_qk
     return None if qk is None else (_norm_weight(qk[0]), _norm_weight(qk[1]), qk[0]._fast_eps)
 
 
 def _layer_in_one_call(self: nn.Module, x: torch.Tensor, pe, mask, layer: PreallocatedLayer, past: int):
-    """`cpukernel.decoder_layer` on a planned decoder layer (`_plan_fused_layer`), writing the new keys and values
+    """`kernels.decoder_layer` on a planned decoder layer (`_plan_fused_layer`), writing the new keys and values
     into the cache layer after its `past` positions."""
     attn, gate, up, down = self._fused_parts[0], *self._fused_parts[3:]
     norm1, norm2, out_attn, out_mlp = self._fused_norms
     out = None if out_attn is None else (_norm_weight(out_attn), out_attn._fast_eps, _norm_weight(out_mlp),
                                          out_mlp._fast_eps)
-    y = cpukernel.decoder_layer(
+    y = kernels.decoder_layer(
         x, (_norm_weight(norm1), norm1._fast_eps, _norm_weight(norm2), norm2._fast_eps), _projections(attn),
         (gate["weight"], up["weight"], down["weight"]), *attn._fused_dims, pe[0], pe[1], layer._k, layer._v, past,
         mask, attn.scaling, _qk_norms(attn), out, self._fused_act)
@@ -467,7 +467,7 @@ def _layer_in_one_call(self: nn.Module, x: torch.Tensor, pe, mask, layer: Preall
 
 
 def _fast_layer_forward(self: nn.Module, hidden_states: torch.Tensor, *args, **kwargs):
-    """A Llama-style decoder layer in one C call (`cpukernel.decoder_layer`) where it applies, else its own forward
+    """A Llama-style decoder layer in one C call (`kernels.decoder_layer`) where it applies, else its own forward
     (whose norms, attention and MLP are patched themselves)."""
     x = hidden_states
     if not args and x.dim() == 3 and x.shape[1] <= MAX_ROWS and self._fused_rows[x.shape[1]]:
@@ -508,7 +508,7 @@ def _is_plain_attention(mod: nn.Module) -> bool:
             return False
         names -= {"q_norm", "k_norm"}
     return (names == {"q_proj", "k_proj", "v_proj", "o_proj"}
-            and all(isinstance(p, nn.Linear) and cpukernel.supports(p.weight) and "_fast_by_rows" in p.__dict__
+            and all(isinstance(p, nn.Linear) and kernels.supports(p.weight) and "_fast_by_rows" in p.__dict__
                     for p in parts)
             and isinstance(getattr(mod, "head_dim", None), int) and 0 < mod.head_dim <= 1024 and mod.head_dim % 2 == 0
             and isinstance(getattr(mod, "scaling", None), float) and isinstance(getattr(mod, "layer_idx", None), int)
@@ -670,12 +670,12 @@ def _llama_layer(layer: nn.Module) -> bool:
 
 
 def _stack_table(mod: nn.Module, cache: DynamicCache) -> tuple:
-    """(addresses [L, STACK_SLOTS], epsilons [L, 2], key strides [L]) for `cpukernel.decoder_stack`: the weights'
+    """(addresses [L, STACK_SLOTS], epsilons [L, 2], key strides [L]) for `kernels.decoder_stack`: the weights'
     part made again only when a weight changed in place or moved, or the kernel library or the Q4_1, AMX or VNNI
-    switch changed (as `cpukernel.packed` would), the caches' part when their buffers moved. The weights are read
+    switch changed (as `kernels.packed` would), the caches' part when their buffers moved. The weights are read
     once per cache (a cache belongs to one set of weights): later passes with the same cache reuse the table while no
     buffer was made since."""
-    switches = (id(cpukernel._lib), cpukernel.Q4_1, cpukernel.amx_on(), cpukernel.VNNI)
+    switches = (id(kernels._lib), kernels.Q4_1, kernels.amx_on(), kernels.VNNI)
     kept = mod.__dict__.get("_stack_table")
     mark = cache.__dict__.get("_stack_mark")
     if mark is not None and mark[0] is kept and mark[1:] == (PreallocatedLayer.buffers_made, switches):
@@ -683,13 +683,13 @@ def _stack_table(mod: nn.Module, cache: DynamicCache) -> tuple:
     slots = mod.__dict__.get("_stack_slots")
     if slots is None:  # (parameter dict, name) of every weight: the modules' live dicts, so a replaced one is seen
         slots = mod._stack_slots = [(d, name) for layer in mod.layers for d, name in _stack_slots(layer)]
-    key = [*switches, *((cpukernel.version(w), w.data_ptr()) for w in (d[name] for d, name in slots))]
+    key = [*switches, *((kernels.version(w), w.data_ptr()) for w in (d[name] for d, name in slots))]
     buffers = [p for c in cache.layers for p in (c._k.data_ptr(), c._v.data_ptr(), c._k.stride(1))]
     if kept is None or kept[0] != key:
         rows = []
         for layer in mod.layers:
             attn, norm1, norm2, gate, up, down = layer._fused_parts
-            rows.append(cpukernel.stack_weights(norm1["weight"], norm2["weight"], _projections(attn),
+            rows.append(kernels.stack_weights(norm1["weight"], norm2["weight"], _projections(attn),
                                                 (gate["weight"], up["weight"], down["weight"])))
         eps = torch.tensor([[n._fast_eps for n in layer._fused_norms[:2]] for layer in mod.layers],
                            dtype=torch.float32)
@@ -720,7 +720,7 @@ def _rotary(mod: nn.Module, x: torch.Tensor, pos: torch.Tensor) -> tuple[torch.T
     if getattr(rot, "rope_type", None) != "default" or size <= 0:
         return rot(x, position_ids=pos)
     inv = rot.inv_freq
-    key = (cpukernel.version(inv), x.dtype, float(rot.attention_scaling))
+    key = (kernels.version(inv), x.dtype, float(rot.attention_scaling))
     table = mod.__dict__.get("_rope_table")
     if table is not None and table[0] is inv and table[1] == key:
         try:
@@ -737,7 +737,7 @@ def _rotary(mod: nn.Module, x: torch.Tensor, pos: torch.Tensor) -> tuple[torch.T
 
 
 def _stack_call(mod: nn.Module, kwargs: dict):
-    """The base model's output with every decoder layer in one C call (`cpukernel.decoder_stack`) where that
+    """The base model's output with every decoder layer in one C call (`kernels.decoder_stack`) where that
     computes what its own forward (with one call per layer) computes, else None: input ids of one sequence of at
     most 64 rows with position ids, `gqa_sdpa` attention, a preallocated cache with room in every layer, the mask
     `_cache_slot` takes, no attention weights asked for, no gradients."""
@@ -771,7 +771,7 @@ def _stack_call(mod: nn.Module, kwargs: dict):
     want = kwargs.get("output_hidden_states")
     keep = x.new_empty(len(layers) - 1, 1, m, x.shape[2]) if (getattr(mod.config, "output_hidden_states", False)
                                                               if want is None else want) else None
-    y = cpukernel.decoder_stack(x, table, eps, strides, heads, kv_heads, d, inter, cos, sin, past, mask, scale, keep)
+    y = kernels.decoder_stack(x, table, eps, strides, heads, kv_heads, d, inter, cos, sin, past, mask, scale, keep)
     for layer in layers:
         layer.filled(past + m)
     out = {"last_hidden_state": mod.norm(y)}
@@ -831,9 +831,9 @@ def _norm_eps(mod: nn.Module) -> float | None:
 def _gated_mlp_act(mod: nn.Module) -> int | None:
     """`rows_gated`'s act when `mod` is `down_proj(act_fn(gate_proj(x)) * up_proj(x))` with bias-free linear layers
     and SiLU (0: Llama, Qwen, Mistral, our heads, whose `act_fn` may be missing as their forward applies SiLU
-    itself) or GELU's tanh form (`cpukernel.GELU_TANH`: Gemma's); else None."""
+    itself) or GELU's tanh form (`kernels.GELU_TANH`: Gemma's); else None."""
     parts = [getattr(mod, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
-    if not all(isinstance(p, nn.Linear) and p.bias is None and cpukernel.supports(p.weight) for p in parts):
+    if not all(isinstance(p, nn.Linear) and p.bias is None and kernels.supports(p.weight) for p in parts):
         return None
     act = getattr(mod, "act_fn", None)
     if act is None:
@@ -845,7 +845,7 @@ def _gated_mlp_act(mod: nn.Module) -> int | None:
         return None
     if torch.allclose(y, F.silu(t), atol=1e-6):
         return 0
-    return cpukernel.GELU_TANH if torch.allclose(y, F.gelu(t, approximate="tanh"), atol=1e-6) else None
+    return kernels.GELU_TANH if torch.allclose(y, F.gelu(t, approximate="tanh"), atol=1e-6) else None
 
 
 def _same_as_stock(mod: nn.Module, kernel, width: int) -> bool:
@@ -871,14 +871,14 @@ def _offset_norm(mod: nn.Module, width: int) -> bool:
 def _patch_modules(model: nn.Module) -> None:
     """Route RMS norms, gated MLPs and Llama-style attention modules through the C kernel where it computes what
     their stock forward does."""
-    if not cpukernel.available():
+    if not kernels.available():
         return
     for mod in model.modules():
         first = next(mod.parameters(), None)
         if "_fast_module" in mod.__dict__ or first is None or first.device.type != "cpu":
             continue
         eps = _norm_eps(mod)
-        if eps is not None and mod.weight.dim() == 1 and cpukernel.supports(mod.weight[None]):
+        if eps is not None and mod.weight.dim() == 1 and kernels.supports(mod.weight[None]):
             mod._fast_eps = eps
             fast, kernel, width = _fast_norm_forward, _norm_kernel, mod.weight.shape[0]
         elif (act := _gated_mlp_act(mod)) is not None and "kernel" in mod.gate_proj.__dict__.get("_fast_by_rows", ()):
@@ -937,6 +937,8 @@ def enable_fast_linear(model: nn.Module, plan: Plan | None = None, run: Callable
     """Patch the forward of every `nn.Linear` in `model` (this instance only) to use the measured layouts (`plan`,
     else the cached or a fresh calibration, by whole passes when `run` is given; see `calibrate`).
     Idempotent: the patch lives on the modules, so whoever calls `disable_fast_linear` restores them."""
+    if hasattr(getattr(model, "config", None), "_attn_implementation"):
+        attention.use(model, True)  # before the layers are planned: their one-call paths need this attention
     plan = plan or load_or_calibrate(model, run)
     for mod in _linears(model):
         # the layout for every row count, looked up once here instead of on every call
@@ -948,19 +950,27 @@ def enable_fast_linear(model: nn.Module, plan: Plan | None = None, run: Callable
 
 
 def disable_fast_linear(model: nn.Module) -> None:
-    """Restore the stock forward of every patched `nn.Linear`, norm and MLP in `model` (shared layers included)."""
+    """Restore the stock forward of every patched `nn.Linear`, norm and MLP in `model` (shared layers included), and
+    the attention it had."""
+    if hasattr(getattr(model, "config", None), "_attn_implementation"):
+        attention.use(model, False)
+    _unpatch(model)
+
+
+def _unpatch(model: nn.Module) -> None:
+    """`disable_fast_linear` but for the attention (calibration patches and unpatches the layers between passes)."""
     for mod in model.modules():
         if "_fast_module" in mod.__dict__:
             del mod.forward, mod._fast_module
             _unplan(mod)
             if isinstance(mod._parameters.get("weight"), torch.Tensor):
-                cpukernel.unpack(mod.weight)  # a norm's 1 + weight
+                kernels.unpack(mod.weight)  # a norm's 1 + weight
     for mod in _linears(model):
         if "forward" in mod.__dict__:
             del mod.forward
             del mod._fast_by_rows
             mod.__dict__.pop("_fast_train", None)
-            cpukernel.unpack(mod.weight)  # the packed copy the kernel kept (the weight's size again)
+            kernels.unpack(mod.weight)  # the packed copy the kernel kept (the weight's size again)
 
 
 def fast_linear_enabled(model: nn.Module) -> bool:

@@ -1,12 +1,12 @@
 """The codes of a GGUF file's K-quant tensors (Q4_K, Q5_K, Q6_K), matched to the weights of the model loaded from it.
 
 transformers loads a GGUF checkpoint by dequantizing every tensor to float32. For Q4_1, Q8_0, Q5_0 and Q4_0 tensors
-the kernels read the codes back from the float32 values themselves (`cpukernel.q4_1_codes`, `q8_0_codes`): a group's
+the kernels read the codes back from the float32 values themselves (`kernels.q4_1_codes`, `q8_0_codes`): a group's
 one float16 scale can be recovered from its values. A K-quant scale is a float16 times a 6- or 8-bit integer (exact
 in float32, but not a float16), and a Q4_K group need not hold its least code, so their codes are read from the file
 instead. Each super-block of 256 values holds a float16 d (and dmin), the integer scales of its sub-blocks and the
 codes; for every 16 consecutive values w = fl(fl(D q) + m), with D = d sc and m = -dmin mc exact in float32 (m = 0
-for Q6_K) and q a small integer: the form `cpukernel.pack_kq` lays out (1.5 bytes a weight instead of 4).
+for Q6_K) and q a small integer: the form `kernels.pack_kq` lays out (1.5 bytes a weight instead of 4).
 
 A weight is matched to a file tensor by the values of its rows, not by names (transformers renames tensors and
 reorders the rows of some, as Llama's q / k projections): every row must equal a decoded row of the tensor bit for
@@ -162,7 +162,7 @@ def _row_keys(rows: int, row_values) -> torch.Tensor:
 
 def attach(model: nn.Module, path: str | Path) -> int:
     """Give each float32 weight of `model` that a K-quant tensor of the GGUF file at `path` dequantizes to its codes
-    (`weight._eagle_kquant = (q, D, m)`, read by `cpukernel.kquant_codes`); returns how many weights got them."""
+    (`weight._eagle_kquant = (q, D, m)`, read by `kernels.kquant_codes`); returns how many weights got them."""
     by_shape: dict[tuple, list[torch.Tensor]] = {}
     for p in model.parameters():
         if p.dim() == 2 and p.dtype == torch.float32:

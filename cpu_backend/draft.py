@@ -1,11 +1,19 @@
-"""An EAGLE-1/2 head's greedy drafting steps on the CPU: the C calls of the module path, without its Python.
+"""An EAGLE head's drafting on the CPU: its layers in C (patched onto the head's modules by `patch`), and greedy
+drafting steps that make the same C calls without the modules' Python (`GreedySteps`).
 
-A step reads T new (feature, token) pairs into the head's cache and gives the draft screen's argmax after the last
-one. Through the modules (`EagleHead.forward` with each decoder layer in one C call, then
-`cpukernel.screen_argmax`) that is three C calls wrapped in ~40 torch and Python operations, and on a 2-core CPU
-the wrapping took longer than the calls: a k = 1 drafting round 0.45 ms warm, of which 0.22 in C (BENCHMARKS.md,
-thirty-third session). `GreedySteps` makes the same calls on the same numbers, so it drafts the same bits, with
-its buffers and the weights' kernel addresses taken once per decoding:
+`patch(head)` gives the head's attention modules a forward with the rotary embedding and the attention in C
+(`kernels.rope_`, `kernels.attend`: grouped key / value heads read in place), each EAGLE-1/2 decoder layer a forward
+that runs the whole layer in one C call (`kernels.decoder_layer`: the same norms, products, rotary embedding and
+attention), and the head's target logits (an EAGLE-1/2 head's draft logits) the product in the layout of the
+target's patched lm_head (`fastpath.linear_as`); each only where it fits (inference on the CPU in float32, a few
+rows), else the module's own forward. `unpatch(head)` takes them off.
+
+A greedy step reads T new (feature, token) pairs into the head's cache and gives the draft screen's argmax after the
+last one. Through the modules (`EagleHead.forward` with each decoder layer in one C call, then
+`kernels.screen_argmax`) that is three C calls wrapped in ~40 torch and Python operations, and on a 2-core CPU
+the wrapping took longer than the calls (a k = 1 drafting round 0.45 ms warm, of which 0.22 in C). `GreedySteps`
+makes the same calls on the same numbers, so it drafts the same bits, with its buffers and the weights' kernel
+addresses taken once per decoding:
 
     steps = GreedySteps.build(head)             # None where the module path would not make these calls
     token = steps.step(cache, feats, tokens)    # feats [T, H], tokens [T]; the predicted feature: steps.feature(T)
@@ -13,19 +21,84 @@ its buffers and the weights' kernel addresses taken once per decoding:
 
 The steps read the weights as they were at `build` (the kernel copies behind the addresses are held): build again
 for each decoding (`infer.proposer.EagleProposer` does, at `reset`) and after the head's weights or the kernel
-settings (`cpukernel.AMX`, ...) change.
+settings (`kernels.AMX`, ...) change.
 """
 
 from __future__ import annotations
 
 import ctypes
+import types
 
 import torch
 
-from eagle import cpukernel
+from cpu_backend import kernels
+from cpu_backend.attention import MAX_ROWS
+from cpu_backend.fastpath import kernel_rows, linear_as
 from eagle import head as head_module
-from eagle.attention import MAX_ROWS
-from eagle.fastlinear import kernel_rows
+from eagle.head import Attention, DecoderLayer, EagleHead
+
+LAYER_IN_ONE_CALL = True  # drafting on the CPU: each decoder layer in one C call (else its parts, attention in C)
+
+
+def kernel_fits(x: torch.Tensor, head_dim: int) -> bool:
+    """Whether a head attention call can take the C kernels: inference on the CPU in float32, a few rows."""
+    return (not (torch.is_grad_enabled() and x.requires_grad) and x.is_cpu and x.dtype == torch.float32
+            and x.shape[1] <= MAX_ROWS and head_dim % 8 == 0 and head_dim <= 1024 and kernels.available())
+
+
+def _attention_forward(self: Attention, x, cos, sin, cache, layer: int, mask):
+    """`Attention.forward` with the rotary embedding and the attention in C."""
+    if not kernel_fits(x, self.hd):
+        return type(self).forward(self, x, cos, sin, cache, layer, mask)
+    B, T, _ = x.shape
+    q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+    q = kernels.rope_(q.contiguous(), cos[:, 0], sin[:, 0], self.hd)  # cos / sin [B, 1, T, D]
+    k = kernels.rope_(k.contiguous(), cos[:, 0], sin[:, 0], self.hd)
+    q, k, v = (t.view(B, T, -1, self.hd).transpose(1, 2) for t in (q, k, v))
+    k, v, mask = self.with_cache(k, v, cache, layer, mask)
+    out = kernels.attend(q, k, v, None if mask is None else mask.view(1, 1, *mask.shape[-2:]), self.hd ** -0.5)
+    return self.o_proj(out.view(B, T, self.nh * self.hd))
+
+
+def _layer_forward(self: DecoderLayer, x, cos, sin, cache, layer: int, mask):
+    """`DecoderLayer.forward` in one C call (the new keys and values written into the cache's buffers in place)
+    where it fits, else through its patched parts."""
+    attn, norm1, norm2, mlp = self.self_attn, self.input_layernorm, self.post_attention_layernorm, self.mlp
+    if not (LAYER_IN_ONE_CALL and cache is not None and x.shape[0] == 1 and kernel_fits(x, attn.hd)):
+        return type(self).forward(self, x, cos, sin, cache, layer, mask)
+    T, past = x.shape[1], cache.length
+    k_buf, v_buf = cache.buffers(layer, x, (1, attn.nkv), attn.hd, past, past + T)
+    if mask is None and T > 1:
+        mask = torch.ones(T, past + T, dtype=torch.bool).tril(past)
+    if mask is not None:
+        mask = mask.reshape(1, 1, *mask.shape[-2:])
+        mask = mask if mask.stride(-1) == 1 else mask.contiguous()
+    return kernels.decoder_layer(
+        x.contiguous(), (None if norm1 is None else norm1.weight, norm1.eps if norm1 else 0.0, norm2.weight,
+                         norm2.eps),
+        (attn.q_proj.weight, None, attn.k_proj.weight, None, attn.v_proj.weight, None, attn.o_proj.weight, None),
+        (mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight), attn.nh, attn.nkv, attn.hd,
+        cos[:, 0], sin[:, 0], k_buf, v_buf, past, mask, attn.hd ** -0.5)
+
+
+def _target_logits(self: EagleHead, features: torch.Tensor) -> torch.Tensor:
+    """`EagleHead.target_logits` in the layout of the target's patched lm_head."""
+    return self.cap(linear_as(self.lm_head, features, self.draft_lm_weight))
+
+
+def patch(head: EagleHead) -> None:
+    """The C forwards above on `head`'s modules (this instance only)."""
+    for mod in head.modules():
+        forward = (_attention_forward if isinstance(mod, Attention)
+                   else _layer_forward if type(mod) is DecoderLayer else None)
+        if forward is not None:
+            mod.forward = types.MethodType(forward, mod)
+            mod._fast_module = True  # `fastpath.disable_fast_linear` takes it off with the rest
+    head.target_logits = types.MethodType(_target_logits, head)
+
+
+def unpatch(head: EagleHead) -> None:
+    head.__dict__.pop("target_logits", None)  # the modules' forwards go with `fastpath.disable_fast_linear`
 
 
 class GreedySteps:
@@ -33,10 +106,10 @@ class GreedySteps:
 
     def __init__(self, head):
         cfg, first = head.config, head.layers[0].self_attn
-        self.head, self.lib = head, cpukernel.library()
+        self.head, self.lib = head, kernels.library()
         self.hidden, self.heads, self.kv_heads, self.head_dim = cfg.hidden_size, first.nh, first.nkv, first.hd
         self.rope_key = (cfg.head_dim, cfg.rope_theta, torch.float32, torch.device("cpu"))
-        self.fc = (cpukernel.packed(head.fc.weight), None if head.fc.bias is None else head.fc.bias.data_ptr())
+        self.fc = (kernels.packed(head.fc.weight), None if head.fc.bias is None else head.fc.bias.data_ptr())
         # per layer, `decoder_layer`'s weight arguments: input norm (None for a head's first layer), its eps,
         # post-attention norm, eps, (weight, bias) of q, k, v and o, gate, up, down, the intermediate size
         self.layers = []
@@ -45,12 +118,12 @@ class GreedySteps:
             projs = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj)
             self.layers.append((None if n1 is None else n1.weight.data_ptr(), n1.eps if n1 else 0.0,
                                 n2.weight.data_ptr(), n2.eps,
-                                *(a for p in projs for a in (cpukernel.packed(p.weight),
+                                *(a for p in projs for a in (kernels.packed(p.weight),
                                                              None if p.bias is None else p.bias.data_ptr())),
-                                cpukernel.packed(mlp.gate_proj.weight), cpukernel.packed(mlp.up_proj.weight),
-                                cpukernel.packed(mlp.down_proj.weight), mlp.gate_proj.weight.shape[0]))
+                                kernels.packed(mlp.gate_proj.weight), kernels.packed(mlp.up_proj.weight),
+                                kernels.packed(mlp.down_proj.weight), mlp.gate_proj.weight.shape[0]))
         w = self.screen_weight = head.draft_lm_weight
-        self.screen = (*cpukernel.screen_weight_args(cpukernel.screen_tables(w)), w.data_ptr())
+        self.screen = (*kernels.screen_weight_args(kernels.screen_tables(w)), w.data_ptr())
         self.d2t = head.d2t.tolist() if cfg.draft_vocab_size else None
         # the kernels' copies behind those addresses, held so that a copy made again (a weight changed in place,
         # then multiplied through the modules) cannot free one these steps still read
@@ -81,20 +154,20 @@ class GreedySteps:
     @classmethod
     def build(cls, head) -> GreedySteps | None:
         """Steps for `head` where its module path drafts greedily through these C calls: an EAGLE-1/2 head without
-        soft-capping, attached, each layer in one C call (`head.LAYER_IN_ONE_CALL` and `head._kernel_fits`), fc
+        soft-capping, attached, each layer in one C call (`LAYER_IN_ONE_CALL` and `kernel_fits`), fc
         patched and in the draft precision (so multiplied in the kernel), the draft screen taking one row; else
         None."""
         if (head.config.head_type != "eagle1" or head.config.logit_softcap or head.embed_tokens is None
-                or not head_module.LAYER_IN_ONE_CALL or not cpukernel.available()):
+                or not LAYER_IN_ONE_CALL or not kernels.available()):
             return None
         w = head.draft_lm_weight
         with torch.inference_mode():  # the draft precision holds only where no gradient is recorded
-            fits = ("_fast_by_rows" in head.fc.__dict__ and cpukernel.in_draft_precision(head.fc.weight)
-                    and w is not None and w.dtype == torch.float32 and cpukernel.supports(w)
-                    and kernel_rows(head.lm_head, 1) and cpukernel.screen_tables(w) is not None
-                    and all(cpukernel.supports(m.weight) for m in head.layers.modules()
+            fits = ("_fast_by_rows" in head.fc.__dict__ and kernels.in_draft_precision(head.fc.weight)
+                    and w is not None and w.dtype == torch.float32 and kernels.supports(w)
+                    and kernel_rows(head.lm_head, 1) and kernels.screen_tables(w) is not None
+                    and all(kernels.supports(m.weight) for m in head.layers.modules()
                             if isinstance(m, torch.nn.Linear))
-                    and head_module._kernel_fits(torch.empty(1, 1, head.config.hidden_size), head.config.head_dim))
+                    and kernel_fits(torch.empty(1, 1, head.config.hidden_size), head.config.head_dim))
             return cls(head) if fits else None
 
     def feature(self, rows: int) -> torch.Tensor:
@@ -110,7 +183,7 @@ class GreedySteps:
         left = self.lib.screen_argmax(*self.screen, self.at_y[self.last] + 4 * (T - 1) * H, V, H, 1, scores,
                                       scores + 4 * V, scores + 4 * (V + threads), self.at.data_ptr(), self.at_xq,
                                       self.at_best, threads)
-        best = int(cpukernel.screen_argmax(self.feature(T), self.screen_weight)) if left else self.best_value.value
+        best = int(kernels.screen_argmax(self.feature(T), self.screen_weight)) if left else self.best_value.value
         return self.d2t[best] if self.d2t is not None else best
 
     def read(self, cache, feats: torch.Tensor, tokens: torch.Tensor) -> int:
