@@ -4,18 +4,10 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 DEMO := runs/demo
-# The demo regenerates 2,400 ShareGPT rows (~1,850 kept once long prompts and repeats are dropped) and trains 14
-# minutes. With training rows that repeat a held-out row in other words left out, 12 / 14 training minutes gave
-# tau 1.596 / 1.657 on the 16 held-out prompts; with 12 the whole demo took 25.5 minutes on a slow hour of the
-# 2-core machine, so 14 leaves ~2.5 of the 30 (BENCHMARKS.md). Batch 256 regenerates slower.
-# On a slower machine (Zen 3, AVX2 only: regeneration at ~150 new tokens/s against ~450) the 2,400 rows alone take
-# 32 minutes, so regeneration starts no batch that would end after 10 minutes: there it wrote 512 rows and the demo
-# took 27.7 minutes (tau 1.55). The faster machine took 9-11 minutes for all 2,400 without the cap.
-# The preset's batches of 2,048 tokens (4,096 before): on those 512 rows, 14 minutes made 1,025 steps instead of 415
-# and simulated tau rose from 1.598 to 1.646 (1,024 tokens: 1.596 at 12 minutes, against 1.627). `make demo` there
-# then: 640 rows in a faster hour, 28.8 minutes, tau 1.59 on its 16 prompts (BENCHMARKS.md, nineteenth session).
-# Replies are regenerated up to 128 new tokens, the length every evaluation decodes (192 before): in the same 10
-# minutes 768 rows instead of 640, and +0.018 simulated tau on 400 rows held out from both (twentieth session).
+# The demo regenerates up to 2,400 ShareGPT rows (~1,850 kept once long prompts and repeats are dropped), replies up
+# to 128 new tokens (the length every evaluation decodes), and trains 14 minutes on them. Regeneration starts no
+# batch that would end after 10 minutes, so a slower CPU (AVX2 only: ~150 new tokens/s against ~450) writes fewer
+# rows instead of taking longer; the whole demo stays within 30 minutes (BENCHMARKS.md, make demo).
 DEMO_ROWS ?= 2400
 DEMO_PREP_MINUTES ?= 10
 DEMO_MINUTES ?= 14
@@ -45,8 +37,8 @@ demo: setup
 		run_dir=$(DEMO)/train out=$(DEMO)/head budget.minutes=$(DEMO_MINUTES)
 	$(BIN)/eagle eval --target smollm2-135m --draft $(DEMO)/head --data $(DEMO)/data/val_conversations.jsonl \
 		--num-prompts 16 --max-new-tokens 128 --mode chain --num-speculative-tokens 3 --reference hf --out $(DEMO)/eval
-	# the same prompts with the setting `eagle bench` names fastest on this CPU kind: one drafted token and a
-	# prompt-lookup branch of 5 merged into the tree (BENCHMARKS.md, thirtieth session)
+	# the same prompts with the setting `eagle bench` names fastest on a 2-core CPU: one drafted token and a
+	# prompt-lookup branch of 5 merged into the tree (BENCHMARKS.md)
 	$(BIN)/eagle eval --target smollm2-135m --draft $(DEMO)/head --data $(DEMO)/data/val_conversations.jsonl \
 		--num-prompts 16 --max-new-tokens 128 --mode chain --num-speculative-tokens 1 --prompt-lookup-num-tokens 5 \
 		--out $(DEMO)/eval_fast

@@ -24,9 +24,9 @@ import time
 
 import torch
 
+import cpu_backend
 from eagle import load_target
 from eagle.attention import use_gqa_sdpa
-from cpu_backend.fastpath import disable_fast_linear
 from infer import SpeculativeDecoder
 from infer.evaluate import load_prompts
 
@@ -35,8 +35,8 @@ def hf_generate(target, ids: list[int], n: int, lookup: int = 0, assistant=None)
     """transformers' greedy `generate`, with its prompt lookup (`lookup` tokens) or assisted generation (`assistant`,
     a TargetModel) if asked."""
     for m in (target, assistant or target):
-        disable_fast_linear(m.model)  # transformers as users run it; our decoder re-enables its fast path
-        use_gqa_sdpa(m.model, False)
+        cpu_backend.disable(m.model)  # transformers as users run it; our decoder enables the backend again
+        use_gqa_sdpa(m.model, False)  # and sdpa for the gqa_sdpa that `disable` gives back
     x = torch.tensor([ids])
     kw = {"prompt_lookup_num_tokens": lookup} if lookup else {}
     if assistant is not None:

@@ -1,17 +1,18 @@
 """What drafting costs against a target step: ms per drafting round and per head step, as decoding drafts (each
-head layer in one C call, `eagle.head.LAYER_IN_ONE_CALL`; its weights marked by `kernels.draft_precision` and
-read in int8 where the CPU has AMX-INT8, else in bfloat16 on AMX tiles), against the same C calls made through the
-modules (no `GreedySteps`), against bfloat16 weights, against the layer run in parts (torch operations around C
-products and attention), against float32 weights and against torch's path, interleaved.
+head layer in one C call, `cpu_backend.draft.LAYER_IN_ONE_CALL`; its weights marked by
+`cpu_backend.kernels.draft_precision` and read in int8 where the CPU has AMX-INT8, else in bfloat16 on AMX tiles),
+against the same C calls made through the modules (no `GreedySteps`), against bfloat16 weights, against the layer
+run in parts (torch operations around C products and attention), against float32 weights and against torch's path
+(`cpu_backend.draft.kernel_fits` false: the head's stock attention and layers), interleaved.
 
     .venv/bin/python benchmarks/draft_cost.py --draft runs/demo/head --k 3 --dynamic 2,3,4 4,3,8 [--cold]
 
 A drafting round here is what the decoder does between two verifications: the head reads the one newly committed
 (feature, token) pair into its cache and drafts a chain of k tokens or a dynamic tree (top_k, depth,
 total_tokens), after --context committed pairs; "as decoding drafts", greedy chains go through
-`cpu_backend.draft.GreedySteps` (the same C calls as the modules, without their Python). A head step is one head pass
-through the modules over one new row plus its logits over the draft vocabulary. The target step is one target pass
-over one new token with the fast path, as greedy decoding runs it. Issue 5 asks for a draft step <= 15 % of a
+`cpu_backend.draft.GreedySteps` (the same C calls as the modules, without their Python). A head step is one head
+pass through the modules over one new row plus its logits over the draft vocabulary. The target step is one target
+pass over one new token with the fast path, as greedy decoding runs it. Issue 5 asks for a draft step <= 15 % of a
 target step.
 """
 
@@ -23,9 +24,8 @@ import time
 
 import torch
 
-from cpu_backend import kernels
+from cpu_backend import draft, kernels
 from eagle import load_target
-from eagle import head as head_module
 from infer import SpeculativeDecoder
 from infer.decoder import DecodeConfig
 from infer.proposer import EagleProposer
@@ -61,6 +61,7 @@ def main() -> None:
         settings[f"dynamic ({tk}, {depth}, {total})"] = DecodeConfig(mode="dynamic", top_k=tk, depth=depth,
                                                                        total_tokens=total)
     proposer = EagleProposer(head)
+    proposer.screen = dec.screens_greedy_tokens  # greedy drafts through the int8 screen, as the decoder sets it
     proposer.propose(feats[:, :-1], ids[:, 1:-1], settings[next(iter(settings))])  # the head reads the context
     committed = args.context - 1  # pairs (feature t, token t + 1) read; the rest of its cache is drafts
 
@@ -74,7 +75,7 @@ def main() -> None:
             pos = torch.tensor([[committed]])
             head.logits(head(feats[:, -1:], ids[:, -1:], pos, cache=proposer.cache)[0])
 
-    stock_fits = head_module._kernel_fits
+    stock_fits = draft.kernel_fits
     # (C paths, each head layer in one C call, the head's weights in low precision (`kernels.draft_precision`),
     # in int8 rather than bfloat16, greedy chains through GreedySteps where they fit)
     paths = {"as decoding drafts": (stock_fits, True, True, True, True),
@@ -90,8 +91,8 @@ def main() -> None:
     target_ms: list[float] = []
     for rnd in range(args.rounds):
         for path in (list(paths) if rnd % 2 == 0 else list(paths)[::-1]):
-            (head_module._kernel_fits, head_module.LAYER_IN_ONE_CALL, kernels.LOW_PRECISION_DRAFTS,
-             kernels.INT8_DRAFTS, steps) = paths[path]
+            (draft.kernel_fits, draft.LAYER_IN_ONE_CALL, kernels.LOW_PRECISION_DRAFTS, kernels.INT8_DRAFTS,
+             steps) = paths[path]
             proposer._steps = None if steps else False  # greedy chains' steps made again for this path, or none
             for name, fn in jobs.items():
                 fn()  # warm-up
@@ -101,7 +102,7 @@ def main() -> None:
                     t0 = time.perf_counter()
                     fn()
                     times[(path, name)].append((time.perf_counter() - t0) * 1e3)
-        (head_module._kernel_fits, head_module.LAYER_IN_ONE_CALL, kernels.LOW_PRECISION_DRAFTS,
+        (draft.kernel_fits, draft.LAYER_IN_ONE_CALL, kernels.LOW_PRECISION_DRAFTS,
          kernels.INT8_DRAFTS) = stock_fits, True, True, True
         target_ms.append(pass_ms(dec, text, args.context, [1], args.repeats, fast=True)[1])
     step = statistics.median(target_ms)

@@ -1,7 +1,7 @@
 """The C product kernel (cpu_backend.kernels.rows_linear) against F.linear and, optionally, against the kernel of
 another git revision, on SmolLM2-135M's weight shapes at the row counts a decoding pass multiplies.
 
-    .venv/bin/python benchmarks/kernel.py --against HEAD~1 /tmp/variant.py --rows 1 2 4 8 12 16
+    .venv/bin/python benchmarks/kernel.py --against HEAD~1 /tmp/variant --rows 1 2 4 8 12 16
     .venv/bin/python benchmarks/kernel.py --peak     # the machine's ceilings: FMAs, BLAS products, memory reads
     .venv/bin/python benchmarks/kernel.py --attention 256 512 --rows 1 4 8 16 32   # attention alone
     .venv/bin/python benchmarks/kernel.py --attention 256 --rows 8 16 --against 817d914   # and another revision's
@@ -14,16 +14,25 @@ reads them from memory as a decoding pass does. The layouts are interleaved with
 (a product that runs right after `F.linear` is measurably slower: torch's threads still spin), and the median
 and the minimum over repeats are printed, in ms per 100 MB of weights (a pass of SmolLM2 reads ~540 MB). The
 last line is a JSON object: {shape: {rows: {layout: median ms}}}.
+
+--against takes git revisions (their cpu_backend/csrc/; from before the C moved there, the `SOURCE` string of their
+eagle/cpukernel.py), copies of a csrc folder (`cp -r cpu_backend/csrc /tmp/variant` to try a change), or copies of
+such an old eagle/cpukernel.py: each compiled with this tree's flags and called with this tree's argument types.
 """
 
 from __future__ import annotations
 
 import argparse
 import ctypes
+import hashlib
+import io
 import json
+import os
 import random
+import shutil
 import statistics
 import subprocess
+import tarfile
 import tempfile
 import time
 from pathlib import Path
@@ -34,6 +43,8 @@ import torch.nn.functional as F
 from cpu_backend import kernels
 from speed import bandwidth_gb_s  # benchmarks/speed.py: GB/s of summing a 256 MB tensor
 
+ROOT = Path(__file__).resolve().parent.parent
+SCRATCH = tempfile.TemporaryDirectory(prefix="eagle-bench-")  # other versions' files and libraries, removed at exit
 SHAPES = ("576x576", "192x576", "1536x576", "576x1536", "49152x576")
 
 # --peak: twelve independent chains of 8-wide FMAs on registers, no memory: the arithmetic ceiling of a core (the
@@ -97,19 +108,65 @@ def _timed(fn) -> float:
     return time.perf_counter() - t0
 
 
+def files_at(rev: str, *paths: str) -> Path:
+    """Those of `paths` (files or folders of this repository) that git revision `rev` has, written under their own
+    paths into a new temporary directory, which is returned."""
+    present = [p for p in paths if subprocess.run(["git", "cat-file", "-e", f"{rev}:{p}"], cwd=ROOT,
+                                                  capture_output=True).returncode == 0]
+    if not present:
+        raise SystemExit(f"git revision {rev!r} has none of {', '.join(paths)}")
+    tar = subprocess.run(["git", "archive", "--format=tar", rev, "--", *present], check=True, capture_output=True,
+                         cwd=ROOT).stdout
+    folder = Path(tempfile.mkdtemp(dir=SCRATCH.name))
+    with tarfile.open(fileobj=io.BytesIO(tar)) as archive:
+        archive.extractall(folder, filter="data")
+    return folder
+
+
+def source_folder(cpukernel_text: str) -> Path:
+    """The C of an eagle/cpukernel.py from before the C moved into cpu_backend/csrc/ (its `SOURCE` string) as the
+    kernels.c of a new temporary folder."""
+    if 'SOURCE = r"""' not in cpukernel_text:
+        raise SystemExit("this cpukernel.py holds no SOURCE string: pass its revision or a copy of its csrc folder")
+    folder = Path(tempfile.mkdtemp(dir=SCRATCH.name))
+    (folder / "kernels.c").write_text(cpukernel_text.split('SOURCE = r"""', 1)[1].split('"""', 1)[0])
+    return folder
+
+
+def compiled(csrc: Path) -> ctypes.CDLL:
+    """kernels.c of the folder `csrc` (with the parts it includes) compiled as this tree's kernels are (its compiler
+    and `kernels.FLAGS`) into a new temporary directory, and loaded with this tree's argument types (`kernels.load`,
+    which wants the library's sha256 beside it)."""
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        raise SystemExit("no C compiler (cc / gcc, or $CC) on PATH")
+    lib = Path(tempfile.mkdtemp(dir=SCRATCH.name)) / "kernels.so"
+    done = subprocess.run([cc, *kernels.FLAGS, str(csrc / "kernels.c"), "-o", str(lib), "-lm"], capture_output=True,
+                          text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"{csrc / 'kernels.c'} did not build ({cc} exited {done.returncode}):\n{done.stderr[-4000:]}")
+    lib.with_name(lib.name + ".sha256").write_text(hashlib.sha256(lib.read_bytes()).hexdigest() + "\n")
+    return kernels.load(lib)
+
+
 def kernel_at(rev: str) -> ctypes.CDLL:
-    """The kernel library of a copy of cpu_backend/kernels.py (a path), or as it was at git revision `rev`, compiled
-    into a temporary directory."""
-    if Path(rev).is_file():
-        text = Path(rev).read_text()
+    """The kernel library of another version (see --against), compiled into a temporary directory: a folder (a copy
+    of a csrc folder, or of a cpu_backend folder holding one), a file (a copy of an eagle/cpukernel.py holding the C in
+    its SOURCE string), or else a git revision."""
+    path, packed = Path(rev), True  # every kernel whose C is in files reads weights in this tree's packed layout
+    if path.is_dir():
+        csrc = path / "csrc" if (path / "csrc").is_dir() else path
+    elif path.is_file():
+        text = path.read_text()
+        csrc, packed = source_folder(text), "def pack(" in text
     else:
-        text = subprocess.run(["git", "show", f"{rev}:cpu_backend/kernels.py"], check=True, capture_output=True,
-                              text=True, cwd=Path(__file__).resolve().parent.parent).stdout
-    source = text.split('SOURCE = r"""', 1)[1].split('"""', 1)[0]
-    path = Path(tempfile.mkdtemp()) / "k.so"
-    kernels.build(path, source)
-    lib = kernels.load(path)
-    lib.packed_weights = "def pack(" in text  # its products read weights in this tree's packed layout
+        tree = files_at(rev, "cpu_backend/csrc", "eagle/cpukernel.py")
+        csrc = tree / "cpu_backend" / "csrc"
+        if not csrc.is_dir():  # before the C moved into cpu_backend/csrc/
+            text = (tree / "eagle" / "cpukernel.py").read_text()
+            csrc, packed = source_folder(text), "def pack(" in text
+    lib = compiled(csrc)
+    lib.packed_weights = packed  # its products read weights in this tree's packed layout
     return lib
 
 
@@ -267,12 +324,14 @@ def main() -> None:
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), help="out x in, e.g. 576x1536")
     ap.add_argument("--rows", nargs="+", type=int, default=[1, 2, 4, 8, 12, 16])
     ap.add_argument("--against", nargs="*", default=[],
-                    help="also time the kernel of these git revisions or copies of cpu_backend/kernels.py")
+                    help="also time the kernels of these git revisions, copies of a csrc folder, or copies of an "
+                         "old eagle/cpukernel.py that holds SOURCE")
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--peak", action="store_true", help="only measure the arithmetic ceiling (FMAs per second)")
     ap.add_argument("--attention", nargs="*", type=int, metavar="KEYS",
-                    help="only time attention (kernels.attend against sdpa with the query heads folded, as "
-                         "eagle.attention falls back to) at these cached lengths, for --rows query rows")
+                    help="only time attention (kernels.attend against sdpa with the query heads folded, "
+                         "eagle.attention's gqa_sdpa, which cpu_backend.attention falls back to) at these cached "
+                         "lengths, for --rows query rows")
     ap.add_argument("--screen", action="store_true",
                     help="only time greedy tokens from SmolLM2's lm_head: the int8 screen against the whole lm_head")
     ap.add_argument("--q4", action="store_true",

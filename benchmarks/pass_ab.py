@@ -2,16 +2,18 @@
 
     .venv/bin/python benchmarks/pass_ab.py --against HEAD~1 --rows 1 4 8 16
 
-The Python side of the fast path (`cpu_backend/fastpath.py`: which forwards are patched and how they call the kernels)
-is taken from the revision; the C kernels and everything else are this tree's, so the comparison isolates the
-patched forwards. With `--kernel` the revision's C kernels (`cpu_backend/kernels.py`) are used for its variant too,
-each variant with the layout plan calibrated for its kernels:
+The Python side of the fast path (`cpu_backend/fastpath.py`, `eagle/fastlinear.py` before the CPU backend moved into
+cpu_backend/: which forwards are patched and how they call the kernels) is taken from the revision; the C kernels,
+the C attention and everything else are this tree's, so the comparison isolates the patched forwards. With
+`--kernel` the revision's C kernels (`cpu_backend/kernels.py` and its csrc/, or `eagle/cpukernel.py` before) are
+used for its variant too, each variant with the layout plan calibrated for its kernels:
 
     .venv/bin/python benchmarks/pass_ab.py --against HEAD --kernel --rows 1 2 4 8 16 32
- Four variants are timed, interleaved round by round (order reversed every other round), after
+
+Four variants are timed, interleaved round by round (order reversed every other round), after
 a KV cache of --context tokens: the revision's, this tree's without its one-call decoder layers (each layer runs
 its patched norms, attention and MLP), this tree's with each layer in one call but not all layers in one call
-(`kernels.decoder_stack`), and this tree's.
+(`cpu_backend.kernels.decoder_stack`), and this tree's.
 The table shows ms per pass (features and logits of every row, speed.py's `pass_ms`) for each number of new
 tokens.
 """
@@ -19,44 +21,75 @@ tokens.
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
+import re
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
 import torch
 
+from cpu_backend import attention as cpu_attention
 from cpu_backend import fastpath
-from eagle import attention, load_target
+from eagle import load_target
 from infer import SpeculativeDecoder
+from kernel import files_at  # benchmarks/kernel.py: a revision's files in a temporary directory
 from speed import pass_ms, real_text  # benchmarks/speed.py: one target pass after `context` tokens of real text
+
+# A revision from before cpu_backend/ imports what cpu_backend/ holds now under the old names; its eagle/ files get
+# this tree's modules instead (the C attention, its name and row limit included, was in eagle.attention then)
+OLD_IMPORTS = {"from eagle import cpukernel": "from cpu_backend import kernels as cpukernel",
+               "from eagle import gguf_codes": "from cpu_backend import gguf_codes",
+               "from eagle.attention import": "from cpu_backend.attention import"}
 
 
 def module_at(rev: str, path: str):
-    """`path` (e.g. cpu_backend/fastpath.py) as it was at git revision `rev`, imported as a module of its own."""
-    root = Path(__file__).resolve().parent.parent
-    src = subprocess.run(["git", "show", f"{rev}:{path}"], check=True, capture_output=True, text=True,
-                         cwd=root).stdout
-    name = f"{Path(path).stem}_{rev.replace('~', '_').replace('^', '_')}"
+    """`path` (e.g. cpu_backend/fastpath.py) as it was at git revision `rev`, imported as a module of its own from a
+    copy of the revision's eagle/ and cpu_backend/ (so that its `__file__` finds its C beside it, as there)."""
+    file = tree_at(rev) / path
+    src = file.read_text()
+    if path.startswith("eagle/"):
+        for old, new in OLD_IMPORTS.items():
+            src = re.sub(rf"^{re.escape(old)}\b", new, src, flags=re.M)
+    name = file.stem + "_at_" + re.sub(r"\W", "_", rev)
     module = importlib.util.module_from_spec(importlib.util.spec_from_loader(name, loader=None))
+    module.__file__ = str(file)
     sys.modules[name] = module  # dataclasses look their module up
     exec(compile(src, f"{rev}:{path}", "exec"), module.__dict__)
     return module
 
 
-def fastlinear_at(rev: str, kernel: bool = False):
-    """cpu_backend/fastpath.py as it was at `rev`; with `kernel`, calling the C kernels of that revision too (its
-    cpu_backend/kernels.py, built into the kernel cache under its own key)."""
-    module = module_at(rev, "cpu_backend/fastpath.py")
+@functools.cache
+def tree_at(rev: str) -> Path:
+    """The revision's eagle/ and cpu_backend/ (those it has) in a temporary directory."""
+    return files_at(rev, "eagle", "cpu_backend")
+
+
+def fastpath_at(rev: str, kernel: bool = False):
+    """The fast path's module as it was at `rev` (cpu_backend/fastpath.py, or eagle/fastlinear.py before it); with
+    `kernel`, calling the C kernels of that revision too (its cpu_backend/kernels.py, or eagle/cpukernel.py, built
+    into the kernel cache under its own key)."""
+    moved = (tree_at(rev) / "cpu_backend" / "fastpath.py").exists()
+    module = module_at(rev, "cpu_backend/fastpath.py" if moved else "eagle/fastlinear.py")
     if kernel:
-        module.kernels = module_at(rev, "cpu_backend/kernels.py")
+        kernels = module_at(rev, "cpu_backend/kernels.py" if moved else "eagle/cpukernel.py")
+        setattr(module, "kernels" if moved else "cpukernel", kernels)
     return module
 
 
-def use_kernels_of(module) -> None:
-    """Route gqa_sdpa's attention kernel through the kernels module that fastpath `module` calls."""
-    attention.kernels = module.kernels
+def kernels_of(module):
+    """The kernels module that fast path `module` calls (named `cpukernel` before cpu_backend/)."""
+    return module.kernels if hasattr(module, "kernels") else module.cpukernel
+
+
+def use_kernels_of(module, model: torch.nn.Module) -> None:
+    """This tree's patches off `model`, and the C attention (this tree's `cpu_backend.attention`) on, calling the
+    kernels module that fast path `module` calls. (This tree's fast path switches that attention on itself; one from
+    before cpu_backend/ left it to the decoder.)"""
+    fastpath.disable_fast_linear(model)
+    cpu_attention.kernels = kernels_of(module)
+    cpu_attention.use(model, True)
 
 
 def unfuse(model: torch.nn.Module, layers: bool) -> None:
@@ -82,13 +115,12 @@ def main() -> None:
     target = load_target(args.target)
     dec = SpeculativeDecoder(target, None)
     text = real_text(dec, args.data, args.context + max(args.rows))
-    dec.use_fast_path(True)  # gqa attention on, and the plan decoding uses (calibrated once per machine)
+    dec.use_fast_path(True)  # the backend on as decoding runs it, and the plan it uses (calibrated once per machine)
     plan = fastpath.load_or_calibrate(target.model, run=dec._calibration_pass)
-    old = fastlinear_at(args.against, kernel=args.kernel)
+    old = fastpath_at(args.against, kernel=args.kernel)
     plans = {fastpath: plan, old: plan}
     if args.kernel:  # the revision's kernels get the plan calibrated for them
-        fastpath.disable_fast_linear(target.model)
-        use_kernels_of(old)
+        use_kernels_of(old, target.model)
         plans[old] = old.load_or_calibrate(target.model, run=dec._calibration_pass)
     variants = {args.against: (old, None), "this tree, layers not in one call": (fastpath, "layers"),
                 "this tree, each layer in one call": (fastpath, "stack"), "this tree": (fastpath, None)}
@@ -96,8 +128,7 @@ def main() -> None:
     for rnd in range(args.rounds):
         order = list(variants.items())
         for name, (module, unfused) in order if rnd % 2 == 0 else order[::-1]:
-            fastpath.disable_fast_linear(target.model)
-            use_kernels_of(module)
+            use_kernels_of(module, target.model)
             module.enable_fast_linear(target.model, plans[module])
             if unfused:
                 unfuse(target.model, layers=unfused == "layers")

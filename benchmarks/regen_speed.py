@@ -1,5 +1,6 @@
-"""Regeneration speed: the stock layers with `sdpa` against the fast path (the packed kernel for every row count,
-`gqa_sdpa`), interleaved, on the same ShareGPT rows, with the demo's settings by default.
+"""Regeneration speed: the stock layers with `sdpa` against the CPU backend (`cpu_backend.enable`: the packed kernel
+for every row count, the C attention, else `gqa_sdpa`), interleaved, on the same ShareGPT rows, with the demo's
+settings by default.
 
     .venv/bin/python benchmarks/regen_speed.py --skip-rows 3000 --rows 160 --rounds 2
 
@@ -10,11 +11,15 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import types
 
+import cpu_backend
 from eagle import load_target
 from data_prep.sources import load_conversations
 
 regenerate = importlib.import_module("data_prep.regenerate")  # the module (the package exports a function by its name)
+# what regeneration sees of the backend in the stock runs: it does not apply, so nothing is patched
+NO_BACKEND = types.SimpleNamespace(applies=lambda model: False)
 
 
 def main() -> None:
@@ -30,14 +35,14 @@ def main() -> None:
     args = ap.parse_args()
     target = load_target(args.target)
     convs, _ = load_conversations(args.data, max_rows=args.rows, skip_rows=args.skip_rows)
-    fast = (regenerate.use_gqa_sdpa, regenerate.fast_linear_enabled)
+    gqa = regenerate.use_gqa_sdpa
     tps: dict[str, list[float]] = {"stock": [], "fast": []}
     replies = {}
     for rnd in range(args.rounds):
         for name in ("stock", "fast") if rnd % 2 == 0 else ("fast", "stock"):
-            # stock: regeneration finds the model "already patched" (so patches nothing) and keeps sdpa
-            regenerate.use_gqa_sdpa = (lambda model, on: False) if name == "stock" else fast[0]
-            regenerate.fast_linear_enabled = (lambda model: True) if name == "stock" else fast[1]
+            # stock: regeneration finds no backend to enable (so patches nothing) and keeps sdpa
+            regenerate.use_gqa_sdpa = (lambda model, on: False) if name == "stock" else gqa
+            regenerate.cpu_backend = NO_BACKEND if name == "stock" else cpu_backend
             r = regenerate.regenerate_with_stats(target, convs, args.max_new_tokens, args.batch_size,
                                                  args.max_prompt_tokens)
             tps[name].append(r.new_tokens / r.seconds)

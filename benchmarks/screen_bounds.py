@@ -2,12 +2,12 @@
 
     .venv/bin/python benchmarks/screen_bounds.py --target smollm2-135m --num-prompts 6 --tokens 40
 
-The greedy screen (`kernels.screen_argmax`) reads the lm_head in int8 with a scale per row and keeps every row
-whose estimate plus |x| |w - s q| (Cauchy-Schwarz) reaches the largest estimate minus its own bound; only those are
-summed in float32. Fewer bits would read fewer bytes, if the bound still left few rows. This takes the final hidden
-states of our greedy continuations of MT-bench first turns and counts, for each position, the rows the bound keeps
-with weights rounded to 8, 6, 5 or 4 bits a row (and 4 bits a group of 32, with a scale, or a scale and a minimum),
-in float64 (x itself exact: the int8 screen's rounding of x adds a little more).
+The greedy screen (`cpu_backend.kernels.screen_argmax`) reads the lm_head in int8 with a scale per row and keeps
+every row whose estimate plus |x| |w - s q| (Cauchy-Schwarz) reaches the largest estimate minus its own bound; only
+those are summed in float32. Fewer bits would read fewer bytes, if the bound still left few rows. This takes the
+final hidden states of our greedy continuations of MT-bench first turns and counts, for each position, the rows the
+bound keeps with weights rounded to 8, 6, 5 or 4 bits a row (and 4 bits a group of 32, with a scale, or a scale and a
+minimum), in float64 (x itself exact: the int8 screen's rounding of x adds a little more).
 """
 
 from __future__ import annotations

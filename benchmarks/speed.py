@@ -8,17 +8,17 @@ Parts (every timing is a median over repeats, methods interleaved so machine noi
 1. memory: read bandwidth (a 256 MB sum) and the bytes of the target's weights, i.e. the floor of one step;
 2. the cost of one target pass over M new tokens after a KV cache of --context tokens, M = 1..32, on text the
    target wrote itself (a verification pass of a chain it agrees with): stock (linear layers and sdpa), the fast
-   path (the measured layouts of cpu_backend.fastpath and eagle.attention's gqa_sdpa) with the whole float32 lm_head,
-   the fast path with greedy tokens through the int8 screen, that with weights in GGUF Q4_1 form read as their
-   codes on the FMA path, and on AMX tiles or in VNNI byte products where the CPU has them (the default;
-   `kernels.Q4_1`, `kernels.AMX`, `kernels.VNNI`);
+   path (`cpu_backend`: the measured layouts of cpu_backend.fastpath, the C attention of cpu_backend.attention)
+   with the whole float32 lm_head, the fast path with greedy tokens through the int8 screen (`cpu_backend.Screen`),
+   that with weights in GGUF Q4_1 form read as their codes on the FMA path, and on AMX tiles or in VNNI byte
+   products where the CPU has them (the default; `cpu_backend.kernels.Q4_1`, `.AMX`, `.VNNI`);
    the ratio to M = 1 (what verifying M tokens costs);
 3. thread scaling of the same pass at M = 1 and 8;
 4. the prompts: HF generate and HF prompt lookup (stock layers, as users run them), our greedy with stock layers,
    with fast layers and the whole lm_head, with the float32 copies of Q4_1 weights, with the codes on the FMA
    path, and as decoding runs by default; our speculative decoding; identical outputs checked against HF greedy.
    The stock runs drop the kernels' layouts, so each timed run of ours follows an untimed one-token run that makes
-   its layouts again (before the twenty-ninth session they were made inside the timed greedy runs: ~1 s a prompt).
+   its layouts again (made inside a timed run they would cost it ~1 s a prompt).
 The last line printed is a JSON object with `hf_generate_tps`, `engine_greedy_tps`, `spec_tps`,
 `verify_cost_ratio_k8`, `lossless` and the rest. Without --draft the speculative run is left out (`spec_tps` null):
 the engine's greedy against transformers' alone.
@@ -34,7 +34,7 @@ import time
 import torch
 
 from chain import hf_generate  # benchmarks/chain.py: transformers' generate with the stock layers
-from cpu_backend import kernels
+from cpu_backend import CPUConfig, kernels
 from eagle import load_target
 from infer import SpeculativeDecoder
 from infer.cache import TargetCache
@@ -54,7 +54,7 @@ def bandwidth_gb_s() -> float:
 def real_text(dec: SpeculativeDecoder, data: str, length: int) -> list[int]:
     """`length` tokens of text the target writes itself: MT-bench first turns, each followed by its greedy reply,
     one after another. A pass over random tokens would give the target flat distributions, unlike decoding, where
-    the int8 screen (`screen_argmax`) then recomputes hundreds of logits per row instead of a few."""
+    the int8 screen (`cpu_backend.Screen`) then recomputes hundreds of logits per row instead of a few."""
     ids: list[int] = []
     for p in load_prompts(data, 20):
         prompt = dec.encode(p["prompt"])
@@ -80,7 +80,7 @@ def pass_ms(dec: SpeculativeDecoder, text: list[int], context: int, rows_list: l
     verification pass of a chain the target agrees with."""
     target = dec.target
     use_codes(q4, amx)
-    dec.use_fast_path(fast)
+    dec.use_fast_path(fast, screen)
     cache = TargetCache()
     ctx = torch.tensor([text[:context]])
     target.features(ctx, position_ids=torch.arange(context)[None], cache=cache.hf)
@@ -92,7 +92,7 @@ def pass_ms(dec: SpeculativeDecoder, text: list[int], context: int, rows_list: l
         for r in range(repeats + 1):
             t0 = time.perf_counter()
             feats = target.features(ids, position_ids=pos, cache=cache.hf)
-            dec.greedy_tokens(feats[0], screen)
+            dec.greedy_tokens(feats[0])
             if r:
                 times.append((time.perf_counter() - t0) * 1e3)
             cache.crop(context)
@@ -201,7 +201,7 @@ def main() -> None:
         ids = dec.encode(p["prompt"])
         runs = {"hf_generate": hf_generate(target, ids, n),
                 "hf_prompt_lookup": hf_generate(target, ids, n, args.lookup)}
-        stock = dec.generate(ids, n, speculative=False, fast_linear=False)  # this drops the kernels' layouts
+        stock = dec.generate(ids, n, speculative=False, cpu=CPUConfig(fast_path=False))  # drops the kernels' layouts
         runs["engine_greedy_stock"] = (stock.token_ids, stock.total_s)
 
         def timed(q4: bool, amx: bool, **kw):  # the layouts made again by an untimed token first
@@ -209,7 +209,7 @@ def main() -> None:
             dec.generate(ids, 1, **kw)
             return dec.generate(ids, n, **kw)
 
-        whole = timed(False, False, speculative=False, screen_argmax=False)
+        whole = timed(False, False, speculative=False, cpu=CPUConfig(screen_argmax=False))
         runs["engine_greedy_whole_lm_head"] = (whole.token_ids, whole.total_s)
         f32 = timed(False, False, speculative=False)
         runs["engine_greedy_float32"] = (f32.token_ids, f32.total_s)

@@ -5,7 +5,7 @@ At batch 1 every decoder step multiplies each weight by a handful of rows, so a 
 weights. The stock `F.linear(x, W)` is a poor reader for 1-16 rows on this machine (torch 2.13, MKL, 2 threads:
 SmolLM2's 30 layers take ~44-54 ms for one row and ~60 ms for eight). Three layouts are measured:
 `linear` (the stock product), `wxt` (`(W @ x.T).T`, one row padded to two: ~25 ms for 2-4 rows) and `kernel`
-(`cpu_backend.kernels`, a small C kernel that streams each weight row once: ~31-36 ms for 1-4 rows in a slow hour
+(`cpu_backend.kernels`, a small C kernel that streams each weight row once: ~31-36 ms for 1-4 rows
 where `F.linear` took 52 ms for one). Which layout wins depends on the shape, the row count and the machine,
 so `calibrate` times them all and keeps the fastest: over whole forward passes when it is given a function that
 runs one (the decoder does), else over all weights of each shape in a cold sweep.

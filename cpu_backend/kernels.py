@@ -17,7 +17,7 @@
   of up to 64 rows multiply the codes (Q4_1, the Q8_0 form's, K-quants') by byte products instead (`vq_linear`;
   `VNNI`, `EAGLE_NO_VNNI=1` keeps the FMA path): each input split exactly enough into three bytes a value for float32
   accuracy, the integer sums exact. Decoding the codes to float32 had bound the FMA path by arithmetic on Zen 4: a
-  SmolLM2 pass of 1-16 tokens 1.17-1.35x faster (BENCHMARKS.md, thirty-seventh session).
+  SmolLM2 pass of 1-16 tokens 1.17-1.35x faster (BENCHMARKS.md).
 - `rows_gated`: a gated MLP's `silu(x @ G.T) * (x @ U.T)` in one pass over both weights (or GELU's tanh form,
   Gemma's, for silu).
 - `rms_norm`: an RMS norm of each row in one call (the stock module is eight small torch ops).
@@ -273,7 +273,7 @@ VNNI = not os.environ.get("EAGLE_NO_VNNI")
 LOW_PRECISION_DRAFTS = True
 INT8_DRAFTS = not os.environ.get("EAGLE_BF16_DRAFTS")
 # with AMX tiles, greedy screens of fewer rows than this read a second int8 copy in the VNNI pairs layout, faster
-# there than the tiles' layout (BENCHMARKS.md, thirty-fifth session); 0 keeps one copy
+# there than the tiles' layout (BENCHMARKS.md); 0 keeps one copy
 SCREEN_TILE_ROWS = 5
 # the settings above that change which code computes a product (`path_key`)
 SWITCHES = ("Q4_1", "AMX", "VNNI", "INT8_DRAFTS", "LOW_PRECISION_DRAFTS", "SCREEN_TILE_ROWS")

@@ -13,6 +13,7 @@ Modules, in pipeline order:
 - regenerate.py  optionally rewrite the assistant replies with the target's own greedy replies.
 - render.py      render with the target's chat template; loss mask = the assistant tokens, found from the text.
 - prep.py        the whole step: split off validation rows and write train.jsonl, val.jsonl, a summary.
+- vocab.py       the draft vocabulary: the most frequent assistant tokens of the prepared rows.
 
 This package imports only from `eagle`.
 """
@@ -21,10 +22,11 @@ from data_prep.prep import PrepConfig, PrepSummary, load_examples, prepare, spli
 from data_prep.regenerate import RegenResult, regenerate, regenerate_with_stats
 from data_prep.render import Example, SkipRow, end_token_ids, render_example
 from data_prep.sources import DataError, SourceStats, load_conversations
+from data_prep.vocab import assistant_token_counts, draft_vocabulary
 
 __all__ = [
     "PrepConfig", "PrepSummary", "prepare", "load_examples", "split_indices",
     "regenerate", "regenerate_with_stats", "RegenResult",
     "Example", "SkipRow", "render_example", "end_token_ids",
-    "DataError", "SourceStats", "load_conversations",
+    "DataError", "SourceStats", "load_conversations", "draft_vocabulary", "assistant_token_counts",
 ]

@@ -281,18 +281,3 @@ def load_examples(path: str | Path) -> list[Example]:
                 raise DataError(f"{path}:{lineno}: input_ids and loss_mask differ in length")
             examples.append(ex)
     return examples
-
-
-def assistant_token_counts(tokenizer, spec: str, max_rows: int, vocab_size: int) -> torch.Tensor:
-    """How often each token id occurs in the assistant turns of the first `max_rows` conversations of `spec` (a
-    source `load_conversations` reads), tokenized as plain text: a cheap, larger sample of the replies' vocabulary
-    than a few hundred regenerated rows, for choosing a draft vocabulary."""
-    convs, _ = load_conversations(spec, max_rows=max_rows)
-    texts = [m["content"] for conv in convs for m in conv if m["role"] == "assistant" and m["content"]]
-    counts = torch.zeros(vocab_size)
-    for i in range(0, len(texts), 256):
-        for ids in tokenizer(texts[i:i + 256], add_special_tokens=False).input_ids:
-            ids = torch.tensor(ids, dtype=torch.long)
-            ids = ids[ids < vocab_size]
-            counts.index_add_(0, ids, torch.ones(ids.shape[0]))
-    return counts

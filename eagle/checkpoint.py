@@ -1,5 +1,6 @@
-"""Head checkpoints: a directory with `config.json` and `model.safetensors`, written whole or not at all. Heads in
-the published EAGLE layouts load too (`eagle.interop`).
+"""Head checkpoints: a directory with `config.json` and `model.safetensors`, written whole or not at all. This
+module reads and writes the files; `eagle.head.load_head` (`EagleHead.from_pretrained`) builds the head from them,
+or from a head in a published EAGLE layout (`eagle.interop`).
 
 Every fix for older or foreign checkpoint layouts belongs in `_upgrade` so the rest of the code sees one format.
 
@@ -23,7 +24,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
-from eagle.head import EagleHead, HeadConfig, make_head
+from eagle.configio import ConfigError, from_dict
+from eagle.head_config import HeadConfig
 
 HEAD_FILES = ("config.json", "model.safetensors")  # all that a head directory holds, ours and the exported layouts
 
@@ -157,7 +159,8 @@ def _remove_head_dir(path: Path) -> None:
     path.rmdir()
 
 
-def save_head(head: EagleHead, path, extra: dict | None = None) -> None:
+def save_head(head, path, extra: dict | None = None) -> None:
+    """A head's config (with `extra`, bookkeeping a reader drops) and its own weights into directory `path`."""
     cfg = dataclasses.asdict(head.config)
     if extra:
         cfg["extra"] = extra
@@ -199,7 +202,8 @@ def _upgrade(cfg: dict) -> dict:
     return cfg
 
 
-def _read_raw(path: Path) -> dict:
+def read_raw(path: Path) -> dict:
+    """The config.json of head directory `path`, as a mapping; a one-line CheckpointError where there is none."""
     if not path.exists():
         prev = prev_dir(path)
         raise CheckpointError(f"draft head {str(path)!r}: no config.json (no such directory" + (
@@ -220,10 +224,8 @@ def _read_raw(path: Path) -> dict:
 
 def read_config(path, raw: dict | None = None) -> HeadConfig:
     """Our head config of directory `path` (`raw`: its config.json, when already read)."""
-    from eagle.configio import ConfigError, from_dict
-
     path = Path(path)
-    raw = _upgrade(_read_raw(path) if raw is None else raw)
+    raw = _upgrade(read_raw(path) if raw is None else raw)
     known = {fld.name for fld in dataclasses.fields(HeadConfig)}
     unknown = sorted(set(raw) - known)
     if unknown:
@@ -241,50 +243,3 @@ def read_config(path, raw: dict | None = None) -> HeadConfig:
     if bad:
         raise CheckpointError(f"draft head {str(path)!r}: config.json: {', '.join(bad)} (sizes must be positive)")
     return cfg
-
-
-def validate_state(head: EagleHead, state: dict[str, torch.Tensor]) -> list[str]:
-    """Every key that is missing, unexpected or of the wrong shape, one line each."""
-    want = {k: v.shape for k, v in head.trainable_state_dict().items()}
-    problems = [f"missing: {k} {tuple(s)}" for k, s in want.items() if k not in state]
-    problems += [f"unexpected: {k} {tuple(v.shape)}" for k, v in state.items() if k not in want]
-    problems += [f"wrong shape: {k} {tuple(v.shape)}, expected {tuple(want[k])}"
-                 for k, v in state.items() if k in want and v.shape != want[k]]
-    return problems
-
-
-def load_head(path, device="cpu", dtype=torch.float32, target=None) -> EagleHead:
-    """Our checkpoint directory, or one in a published EAGLE-1/2 or EAGLE-3 layout (`eagle.interop`; `target`
-    gives an EAGLE-3 head without named feature layers the default ones)."""
-    path = Path(path)
-    from eagle.interop import is_published, read_published
-
-    raw = _read_raw(path)
-    if is_published(raw):
-        cfg, state = read_published(path, raw, target)
-    else:
-        cfg = read_config(path, raw)
-        weights = path / "model.safetensors"
-        if not weights.exists():
-            raise CheckpointError(f"draft head {str(path)!r}: no model.safetensors")
-        state = read_weights(path)
-    head = make_head(cfg)
-    problems = validate_state(head, state)
-    if problems:
-        raise CheckpointError(f"draft head {str(path)!r} does not match its config: " + "; ".join(problems))
-    head.load_state_dict(state, strict=False)
-    return head.to(device=device, dtype=dtype).eval()  # .to(dtype) leaves the integer d2t buffer alone
-
-
-def check_compatible(cfg: HeadConfig, target) -> None:
-    """Refuse a head made for another target: hidden size, vocabulary and tokenizer must agree."""
-    diffs = []
-    if cfg.hidden_size != target.hidden_size:
-        diffs.append(f"hidden size {cfg.hidden_size} vs {target.hidden_size}")
-    if cfg.vocab_size != target.vocab_size:
-        diffs.append(f"vocab size {cfg.vocab_size} vs {target.vocab_size}")
-    if cfg.tokenizer_fingerprint and cfg.tokenizer_fingerprint != target.fingerprint:
-        diffs.append(f"tokenizer fingerprint {cfg.tokenizer_fingerprint} vs {target.fingerprint}")
-    if diffs:
-        raise CheckpointError(
-            f"draft head for target {cfg.target!r} does not fit target {target.name!r}: " + ", ".join(diffs))

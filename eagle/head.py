@@ -12,61 +12,20 @@ are attached with `head.attach(target)` and are never saved with the head. Check
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from eagle import interop
+from eagle.checkpoint import CheckpointError, read_config, read_raw, read_weights, save_head
+from eagle.head_config import HeadConfig, eagle3_layers
+
+__all__ = ["HeadConfig", "HeadCache", "EagleHead", "Eagle3Head", "make_head", "load_head", "eagle3_layers",
+           "check_compatible"]
 
 SHARED_PREFIXES = ("embed_tokens.", "lm_head.")
-
-
-@dataclass
-class HeadConfig:
-    head_type: str = "eagle1"
-    hidden_size: int = 0
-    vocab_size: int = 0
-    num_attention_heads: int = 0
-    num_key_value_heads: int = 0
-    head_dim: int = 0
-    intermediate_size: int = 0
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
-    fc_bias: bool = True
-    feature_layer_ids: list[int] = field(default_factory=lambda: [-1])
-    num_layers: int = 1  # decoder layers of an EAGLE-1/2 head (EAGLE's: one)
-    # 0: draft over the target's whole vocabulary; n > 0: over n target tokens listed in the `d2t` buffer
-    # (EAGLE-3's reduced draft vocabulary, here for EAGLE-1/2 heads too: the lm_head dominates drafting cost)
-    draft_vocab_size: int = 0
-    logit_softcap: float | None = None
-    target: str = ""
-    tokenizer_fingerprint: str = ""
-
-    @classmethod
-    def for_target(cls, target, **overrides) -> "HeadConfig":
-        """Shape the head after a target (a TargetModel): same hidden size, heads and vocabulary."""
-        c = target.config
-        kv_heads, head_dim = target.kv_heads_and_dim
-        rope = getattr(c, "rope_parameters", None) or {}
-        theta = rope.get("rope_theta", getattr(c, "rope_theta", 10000.0))
-        kw = dict(
-            hidden_size=c.hidden_size,
-            vocab_size=target.vocab_size,
-            num_attention_heads=c.num_attention_heads,
-            num_key_value_heads=kv_heads,
-            head_dim=head_dim,
-            # Falcon names it ffn_hidden_size, GPT-2 n_inner (None there: 4 x hidden, as both default)
-            intermediate_size=(getattr(c, "intermediate_size", None) or getattr(c, "ffn_hidden_size", None)
-                               or getattr(c, "n_inner", None) or 4 * c.hidden_size),
-            rms_norm_eps=float(getattr(c, "rms_norm_eps", 1e-6)),
-            rope_theta=float(theta),
-            logit_softcap=target.softcap,
-            target=target.name,
-            tokenizer_fingerprint=target.fingerprint,
-        )
-        kw.update(overrides)
-        return cls(**kw)
 
 
 class RMSNorm(nn.Module):
@@ -239,8 +198,6 @@ class EagleHead(nn.Module):
     # -- wiring to the target ------------------------------------------------------------------------------
     def attach(self, target) -> "EagleHead":
         """Share the target's embedding and lm_head after checking the head was made for this target."""
-        from eagle.checkpoint import check_compatible
-
         check_compatible(self.config, target)
         self.embed_tokens = target.embed
         self.lm_head = target.lm_head
@@ -313,16 +270,13 @@ class EagleHead(nn.Module):
         return self.d2t[draft_ids] if self.config.draft_vocab_size else draft_ids
 
     # -- checkpoints ---------------------------------------------------------------------------------------
-    def save_pretrained(self, path) -> None:
-        from eagle.checkpoint import save_head
-
-        save_head(self, path)
+    def save_pretrained(self, path, extra: dict | None = None) -> None:
+        """config.json + model.safetensors in directory `path`, written whole (`eagle.checkpoint.save_head`)."""
+        save_head(self, path, extra)
 
     @classmethod
     def from_pretrained(cls, path, device="cpu", dtype=torch.float32, target=None) -> "EagleHead":
         """Our checkpoint directory or a published EAGLE-1/2 / EAGLE-3 one (`eagle.interop`)."""
-        from eagle.checkpoint import load_head
-
         return load_head(path, device=device, dtype=dtype, target=target)
 
 
@@ -449,7 +403,45 @@ def make_head(config: HeadConfig) -> EagleHead:
     raise ValueError(f"head_type {config.head_type!r}: expected eagle1 or eagle3")
 
 
-def eagle3_layers(num_layers: int) -> list[int]:
-    """EAGLE-3's default feature layers (low, middle, high), indexed like transformers' `hidden_states` tuple
-    (0 is the embedding output, i the output of layer i)."""
-    return [2, num_layers // 2, num_layers - 3]
+def load_head(path, device="cpu", dtype=torch.float32, target=None) -> EagleHead:
+    """Our checkpoint directory, or one in a published EAGLE-1/2 or EAGLE-3 layout (`eagle.interop`; `target`
+    gives an EAGLE-3 head without named feature layers the default ones)."""
+    path = Path(path)
+    raw = read_raw(path)
+    if interop.is_published(raw):
+        cfg, state = interop.read_published(path, raw, target)
+    else:
+        cfg = read_config(path, raw)
+        if not (path / "model.safetensors").exists():
+            raise CheckpointError(f"draft head {str(path)!r}: no model.safetensors")
+        state = read_weights(path)
+    head = make_head(cfg)
+    problems = validate_state(head, state)
+    if problems:
+        raise CheckpointError(f"draft head {str(path)!r} does not match its config: " + "; ".join(problems))
+    head.load_state_dict(state, strict=False)
+    return head.to(device=device, dtype=dtype).eval()  # .to(dtype) leaves the integer d2t buffer alone
+
+
+def validate_state(head: EagleHead, state: dict[str, torch.Tensor]) -> list[str]:
+    """Every key that is missing, unexpected or of the wrong shape, one line each."""
+    want = {k: v.shape for k, v in head.trainable_state_dict().items()}
+    problems = [f"missing: {k} {tuple(s)}" for k, s in want.items() if k not in state]
+    problems += [f"unexpected: {k} {tuple(v.shape)}" for k, v in state.items() if k not in want]
+    problems += [f"wrong shape: {k} {tuple(v.shape)}, expected {tuple(want[k])}"
+                 for k, v in state.items() if k in want and v.shape != want[k]]
+    return problems
+
+
+def check_compatible(cfg: HeadConfig, target) -> None:
+    """Refuse a head made for another target: hidden size, vocabulary and tokenizer must agree."""
+    diffs = []
+    if cfg.hidden_size != target.hidden_size:
+        diffs.append(f"hidden size {cfg.hidden_size} vs {target.hidden_size}")
+    if cfg.vocab_size != target.vocab_size:
+        diffs.append(f"vocab size {cfg.vocab_size} vs {target.vocab_size}")
+    if cfg.tokenizer_fingerprint and cfg.tokenizer_fingerprint != target.fingerprint:
+        diffs.append(f"tokenizer fingerprint {cfg.tokenizer_fingerprint} vs {target.fingerprint}")
+    if diffs:
+        raise CheckpointError(
+            f"draft head for target {cfg.target!r} does not fit target {target.name!r}: " + ", ".join(diffs))

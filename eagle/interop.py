@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 from eagle.checkpoint import CheckpointError, read_weights, write_head_dir
-from eagle.head import EagleHead, HeadConfig, eagle3_layers
+from eagle.head_config import HeadConfig, eagle3_layers
 
 IGNORED = ("embed_tokens.", "rotary_emb.")  # shared with the target, or recomputed
 
@@ -99,8 +99,8 @@ def read_published(path, raw: dict, target=None) -> tuple[HeadConfig, dict[str, 
     return cfg, ours
 
 
-def export_published(head: EagleHead, out) -> list[str]:
-    """Write `head` into directory `out` in the published layout of its kind (config.json + model.safetensors),
+def export_published(head, out) -> list[str]:
+    """Write `head` (an `eagle.head.EagleHead`) into directory `out` in the published layout of its kind (config.json + model.safetensors),
     whole or not at all; an `out` holding anything but a head is refused (`eagle.checkpoint.check_head_dir`).
     Returns notes on what the layout cannot hold."""
     c, notes = head.config, []

@@ -600,3 +600,24 @@ def test_skip_rows_reads_the_next_shard(tmp_path, monkeypatch):
     monkeypatch.setattr(datasets, "load_dataset", lambda name, split: seen.setdefault("split", split) and rows[2:5])
     convs, stats = load_conversations("org/chats", max_rows=3, skip_rows=2)
     assert seen["split"] == "train[2:5]" and len(convs) == 3 and stats.rows_skipped == 2
+
+
+def test_the_draft_vocabulary_also_counts_the_replies_of_a_larger_sample(tmp_path):
+    # `also`: the assistant turns (not the user's) of another source are tokenized and counted, and each source's
+    # frequencies weigh half when the draft vocabulary is chosen
+    import torch
+    from tiny import tiny_tokenizer as word_tokenizer  # a word-level vocabulary: w0 .. w87, ids 4 ..
+
+    from data_prep import assistant_token_counts, draft_vocabulary
+
+    tok = word_tokenizer()
+    src = tmp_path / "more.jsonl"
+    src.write_text(json.dumps({"messages": [{"role": "user", "content": "w20 w20 w20 w20 w20"},
+                                            {"role": "assistant", "content": "w9 w9 w9 w8"}]}) + "\n")
+    counts = assistant_token_counts(tok, str(src), 10, 96)
+    assert counts.sum() == 4 and counts[13] == 3 and counts[12] == 1  # w9, w8 (ids 13, 12); w20 is not counted
+    rows = [(torch.tensor([2, 5, 5, 6]), torch.tensor([False, True, True, True]))]
+    assert draft_vocabulary(rows, 96, 2).tolist() == [5, 6]
+    # 2/3 and 3/4 beat 1/3 and 1/4
+    assert draft_vocabulary(rows, 96, 2, tokenizer=tok, also=str(src), also_rows=10).tolist() == [5, 13]
+    assert draft_vocabulary(rows, 96, 0) is None and draft_vocabulary(rows, 96, 96) is None

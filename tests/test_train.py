@@ -330,22 +330,6 @@ def test_unroll_fraction_out_of_range_and_validation_only_at_the_end(tmp_path, t
     assert [r["step"] for r in log if "val_loss" in r] == [4]  # every_minutes=0: once, at the end
 
 
-def test_draft_vocab_also_counts_the_replies_of_a_larger_sample(tmp_path, target):
-    # model.vocab_counts: the assistant turns (not the user's) of another source are tokenized and counted, and
-    # each source's frequencies weigh half when the draft vocabulary is chosen
-    from data_prep.prep import assistant_token_counts
-    from train.loop import draft_vocab
-
-    src = tmp_path / "more.jsonl"
-    src.write_text(json.dumps({"messages": [{"role": "user", "content": "w20 w20 w20 w20 w20"},
-                                            {"role": "assistant", "content": "w9 w9 w9 w8"}]}) + "\n")
-    counts = assistant_token_counts(target.tokenizer, str(src), 10, target.vocab_size)
-    assert counts.sum() == 4 and counts[13] == 3 and counts[12] == 1  # w9, w8 (ids 13, 12); w20 is not counted
-    rows = [(torch.tensor([2, 5, 5, 6]), torch.tensor([False, True, True, True]))]
-    assert draft_vocab(rows, target.vocab_size, 2).tolist() == [5, 6]
-    assert draft_vocab(rows, target.vocab_size, 2, counts).tolist() == [5, 13]  # 2/3 and 3/4 beat 1/3 and 1/4
-
-
 def test_simulated_chain_on_a_hand_checked_row():
     """Indices 0-1 are prompt, 2-9 reply (scored[j]: token j + 2 is the reply's). The reply's first token is the
     target's, so rounds start at index 3: drafts 1-2 agree there (ok[3, 0], ok[4, 1]), the third does not; the next

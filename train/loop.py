@@ -22,6 +22,7 @@ import os
 import shutil
 import signal
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -29,12 +30,12 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 import cpu_backend
-from data_prep.prep import assistant_token_counts, load_examples
+from data_prep import draft_vocabulary, load_examples
 from eagle import EagleHead, HeadCache, HeadConfig, TargetModel, load_target
-from eagle.checkpoint import check_head_dir, fsync_path, load_head, recover_dir, replace_dir, save_head
+from eagle.checkpoint import check_head_dir, fsync_path, recover_dir, replace_dir, save_head
 from eagle.features import DTYPES as FEATURE_DTYPES, features_path, flat_rows, load_features, save_features
 from eagle.configio import save_config
-from eagle.head import eagle3_layers, make_head
+from eagle.head import eagle3_layers, load_head, make_head
 from train.config import TrainConfig
 from train.runlog import RunLog
 
@@ -185,19 +186,6 @@ def target_features(target: TargetModel, rows, desc: str, layers: list[int] | No
         i = j
     bar.close()
     return out
-
-
-def draft_vocab(rows, vocab_size: int, n: int, extra_counts: torch.Tensor | None = None) -> torch.Tensor | None:
-    """The n most frequent assistant tokens of the training rows (sorted ids), or None for the full vocabulary.
-    With `extra_counts` (token counts of a larger text sample) each source's frequencies weigh half."""
-    if n <= 0 or n >= vocab_size:
-        return None
-    counts = torch.zeros(vocab_size)
-    for ids, mask in rows:
-        counts.index_add_(0, ids[mask], torch.ones(int(mask.sum())))
-    if extra_counts is not None and extra_counts.sum() > 0:
-        counts = counts / counts.sum().clamp(min=1) + extra_counts / extra_counts.sum()
-    return counts.topk(n).indices.sort().values
 
 
 # -- loss ---------------------------------------------------------------------------------------------------------
@@ -444,7 +432,7 @@ def last_good(run: Path, step: int) -> str:
 
 
 def val_prompts(cfg: TrainConfig) -> list[str]:
-    from infer.evaluate import load_prompts
+    from infer import load_prompts
 
     path = Path(cfg.data.prepared) / "val_conversations.jsonl"
     if not path.exists() or cfg.eval.num_prompts <= 0:
@@ -490,8 +478,44 @@ def validate(head, target, val_rows, val_feats, prompts, cfg: TrainConfig) -> di
 
 # -- the loop -----------------------------------------------------------------------------------------------------
 def train(cfg: TrainConfig, target: TargetModel | None = None) -> dict:
+    """Train (or resume) the head `cfg` describes; returns the final trainer state."""
     from accelerate import Accelerator
 
+    check_config(cfg)                                    # 1. one-line errors before any time is spent
+    run = Path(cfg.run_dir)
+    state = resume_state(cfg, run)                       # 2. the last complete checkpoint's state, if any
+    if state and state.get("done"):
+        print(f"training in {run} already finished at step {state['step']}; best head in {cfg.out}")
+        return state
+    accelerator = Accelerator(cpu=not torch.cuda.is_available())
+    dtype = getattr(torch, cfg.model.dtype)
+    target = target or load_target(cfg.model.target, device=accelerator.device, dtype=dtype)
+    data = load_data(cfg, target)                        # 3. rows, target features, held-out rows and prompts
+    head = (load_head(run / "checkpoint" / "head", device=accelerator.device, dtype=dtype).attach(target)
+            if state else new_head(cfg, target, data, accelerator.device, dtype))  # 4. the head
+    head.train()
+    params = [p for n, p in head.named_parameters() if p.requires_grad and not n.startswith(("embed_tokens.",
+                                                                                              "lm_head."))]
+    opt = torch.optim.AdamW(params, lr=cfg.optim.lr, betas=tuple(cfg.optim.betas), weight_decay=cfg.optim.weight_decay)
+    if state:                                            # 5. the optimizer, resumed
+        opt.load_state_dict(torch.load(run / "checkpoint" / "optimizer.pt", weights_only=True))
+    head, opt = accelerator.prepare(head, opt)
+    raw = accelerator.unwrap_model(head)
+    if cfg.cpu.fast_path and accelerator.device.type == "cpu" and cfg.mixed_precision == "none":
+        cpu_backend.enable(raw)                          # 6. the head's products through the CPU backend
+        slower = cpu_backend.plan_training(raw, min(cfg.optim.batch_tokens, 1024))  # ... where it beats F.linear's
+        if slower:
+            print(f"training products through F.linear for {', '.join(slower)} (measured faster than the kernel)")
+    state = fit(cfg, raw, opt, params, accelerator, target, data, run, state)  # 7. steps, checkpoints, validation
+    print(f"done: {state['step']} steps, {state['tokens']} tokens in {state['train_s'] / 60:.1f} min of training; "
+          f"best simulated validation tau {state['best_tau']:.3f} (k = {cfg.eval.num_speculative_tokens}); "
+          f"head in {cfg.out}")
+    return state
+
+
+def check_config(cfg: TrainConfig) -> None:
+    """One-line TrainErrors for settings that cannot work, and for a run_dir or out that must not be used: before
+    any time is spent (an `out` holding anything but a head is never replaced)."""
     if cfg.model.head_type not in ("eagle1", "eagle3"):
         raise TrainError(f"model.head_type {cfg.model.head_type!r}: expected eagle1 or eagle3")
     if cfg.loss.positions not in ("assistant", "all"):
@@ -504,9 +528,10 @@ def train(cfg: TrainConfig, target: TargetModel | None = None) -> dict:
         raise TrainError("set a budget: budget.max_steps, budget.minutes or budget.epochs")
     if cfg.data.feature_dtype not in FEATURE_DTYPES:
         raise TrainError(f"data.feature_dtype {cfg.data.feature_dtype!r}: expected one of {', '.join(FEATURE_DTYPES)}")
-    feat_dtype = getattr(torch, cfg.data.feature_dtype)
     if cfg.mixed_precision not in ("none", "bf16"):
         raise TrainError(f"mixed_precision {cfg.mixed_precision!r}: expected none or bf16")
+    if cfg.model.init not in ("identity", "target_last_layer", "random"):
+        raise TrainError(f"model.init {cfg.model.init!r} is not one of identity, target_last_layer, random")
     if not 0 <= cfg.optim.lr <= torch.finfo(torch.float32).max:  # else AdamW's step fails with a RuntimeError
         raise TrainError(f"optim.lr {cfg.optim.lr}: expected a number >= 0 that float32 holds")
     negative = [f"budget.{k} {v}" for k, v in vars(cfg.budget).items() if v < 0]
@@ -518,22 +543,38 @@ def train(cfg: TrainConfig, target: TargetModel | None = None) -> dict:
     if out.resolve() == run.resolve() or out.resolve() in run.resolve().parents:
         raise TrainError(f"out {cfg.out!r} would hold run_dir {cfg.run_dir!r}: name a directory of its own for the "
                          "head")
-    check_head_dir(out, "out ")  # before any time is spent: a directory holding anything but a head is not replaced
-    recover_dir(out)  # a head write killed between its renames: the previous head back in place
+    check_head_dir(out, "out ")
+
+
+def resume_state(cfg: TrainConfig, run: Path) -> dict | None:
+    """The run directory made (its resolved config.yaml written) and the state of its last complete checkpoint,
+    or None for a new run; a head write killed between its renames is undone first."""
+    recover_dir(Path(cfg.out))
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
     run.mkdir(parents=True, exist_ok=True)
     ckpt = last_checkpoint(run)
     state = json.loads((ckpt / "state.json").read_text()) if ckpt else None
-    if state and state.get("done"):
-        print(f"training in {run} already finished at step {state['step']}; best head in {cfg.out}")
-        return state
-    save_config(cfg, run / "config.yaml")
+    if not (state and state.get("done")):
+        save_config(cfg, run / "config.yaml")
+    return state
 
-    accelerator = Accelerator(cpu=not torch.cuda.is_available())
-    dtype = getattr(torch, cfg.model.dtype)
-    target = target or load_target(cfg.model.target, device=accelerator.device, dtype=dtype)
-    sources = [cfg.data.prepared, *cfg.data.extra]  # every prepared directory whose train rows are used
+
+@dataclass
+class TrainData:
+    rows: list  # (input ids, loss mask) of every training row, from every prepared directory
+    feats: list | None  # their target features (None: computed per batch, `data.online`)
+    val_rows: list
+    val_feats: list | None
+    layers: list[int] | None  # the target layers an EAGLE-3 head fuses
+    prompts: list[str]  # held-out prompts decoded at validation
+    feature_s: float  # seconds spent on the target features (0 when cached)
+
+
+def load_data(cfg: TrainConfig, target: TargetModel) -> TrainData:
+    """The prepared rows of `data.prepared` and `data.extra`, their target features (cached beside the rows), the
+    held-out rows and prompts; training rows that repeat a held-out row are left out."""
+    sources = [cfg.data.prepared, *cfg.data.extra]
     parts = [load_rows(cfg, "train", src) for src in sources]
     rows, val_rows = [r for part in parts for r in part], load_rows(cfg, "val", cfg.data.prepared)
     layers = None
@@ -542,152 +583,160 @@ def train(cfg: TrainConfig, target: TargetModel | None = None) -> dict:
         bad = [i for i in layers if not 0 <= i <= target.num_layers]
         if bad:
             raise TrainError(f"model.feature_layers {bad}: the target's hidden_states run 0..{target.num_layers}")
-    t_feat = time.perf_counter()
-    if cfg.data.online:  # features come from the target batch by batch
-        feats = val_feats = None
-    else:
+    t0 = time.perf_counter()
+    feats = val_feats = None
+    if not cfg.data.online:
+        dtype = getattr(torch, cfg.data.feature_dtype)
         feats = [f for src, part in zip(sources, parts)
-                 for f in cached_features(target, part, Path(src), "train", layers, feat_dtype)]
-        val_feats = cached_features(target, val_rows, Path(cfg.data.prepared), "val", layers, feat_dtype)
-    feat_s = time.perf_counter() - t_feat
+                 for f in cached_features(target, part, Path(src), "train", layers, dtype)]
+        val_feats = cached_features(target, val_rows, Path(cfg.data.prepared), "val", layers, dtype)
+    feature_s = time.perf_counter() - t0
     rows, feats, leaked = drop_val_rows(rows, feats, val_rows, cfg.data.val_overlap)
     if leaked:
         rule = "identical" if cfg.data.val_overlap > 1 else \
             f"identical, or holding >= {cfg.data.val_overlap:.0%} of its reply's 8-grams"
         print(f"left out {leaked} training rows that repeat a validation row of {cfg.data.prepared} ({rule})")
-    prompts = val_prompts(cfg)
+    return TrainData(rows, feats, val_rows, val_feats, layers, val_prompts(cfg), feature_s)
 
-    if state:
-        head = load_head(run / "checkpoint" / "head", device=accelerator.device, dtype=dtype).attach(target)
-    else:
-        torch.manual_seed(cfg.seed)
-        extra = None
-        if cfg.model.draft_vocab and cfg.model.vocab_counts:
-            extra = assistant_token_counts(target.tokenizer, cfg.model.vocab_counts, cfg.model.vocab_count_rows,
-                                           target.vocab_size)
-        vocab = draft_vocab(rows, target.vocab_size, cfg.model.draft_vocab, extra)
-        extra_cfg = {"num_layers": cfg.model.num_layers}
-        if layers is not None:
-            extra_cfg.update(head_type="eagle3", feature_layer_ids=layers)
-        hcfg = HeadConfig.for_target(target, draft_vocab_size=0 if vocab is None else vocab.shape[0], **extra_cfg)
-        head = make_head(hcfg).to(device=accelerator.device, dtype=dtype).attach(target)
-        if vocab is not None:
-            head.set_draft_vocab(vocab.to(accelerator.device))
-        if layers is not None:
-            head.init_from_target_lm_head(target)
-        if cfg.model.init == "identity":
-            head.init_identity_fc()
-        elif cfg.model.init == "target_last_layer":
-            head.init_from_target_layer(target)
-        elif cfg.model.init != "random":
-            raise TrainError(f"model.init {cfg.model.init!r} is not one of identity, target_last_layer, random")
-    head.train()
-    params = [p for n, p in head.named_parameters() if p.requires_grad and not n.startswith(("embed_tokens.", "lm_head."))]
-    opt = torch.optim.AdamW(params, lr=cfg.optim.lr, betas=tuple(cfg.optim.betas), weight_decay=cfg.optim.weight_decay)
-    if state:
-        opt.load_state_dict(torch.load(run / "checkpoint" / "optimizer.pt", weights_only=True))
-    head, opt = accelerator.prepare(head, opt)
-    raw = accelerator.unwrap_model(head)
-    autocast = torch.autocast(accelerator.device.type, dtype=torch.bfloat16, enabled=cfg.mixed_precision == "bf16")
-    if cfg.cpu.fast_path and accelerator.device.type == "cpu" and cfg.mixed_precision == "none":
-        cpu_backend.enable(raw)  # the layers' products, forward and backward, through the packed kernel
-        slower = cpu_backend.plan_training(raw, min(cfg.optim.batch_tokens, 1024))  # ... where it beats F.linear's
-        if slower:
-            print(f"training products through F.linear for {', '.join(slower)} (measured faster than the kernel)")
 
-    state = state or {"step": 0, "epoch": 0, "batch_in_epoch": 0, "train_s": 0.0, "best_tau": -1.0,
-                      "tokens": 0, "done": False}
-    gen = torch.Generator()
-    steps_per_epoch = len(make_batches([r[0].shape[0] for r in rows], cfg.optim.batch_tokens, torch.Generator()))
-    limit_s = cfg.budget.minutes * 60
-    max_steps = cfg.budget.max_steps or (int(cfg.budget.epochs * steps_per_epoch) if cfg.budget.epochs else 0)
-    log = RunLog(run, cfg.tensorboard, resume_step=state["step"], resume_bytes=state.get("log_bytes"))
-    print(f"{len(rows)} train rows ({sum(r[0].shape[0] for r in rows)} tokens), {len(val_rows)} val rows, "
-          f"{steps_per_epoch} steps/epoch; target features in {feat_s:.1f}s; resuming at step {state['step']}"
-          if state["step"] else f"{len(rows)} train rows, {len(val_rows)} val rows, {steps_per_epoch} steps/epoch; "
-          f"target features in {feat_s:.1f}s")
+def new_head(cfg: TrainConfig, target: TargetModel, data: TrainData, device, dtype) -> EagleHead:
+    """A fresh head shaped after the target, over the draft vocabulary `data_prep.draft_vocabulary` picks from the
+    training rows, initialised as `model.init` says."""
+    torch.manual_seed(cfg.seed)
+    vocab = draft_vocabulary(data.rows, target.vocab_size, cfg.model.draft_vocab, target.tokenizer,
+                             cfg.model.vocab_counts, cfg.model.vocab_count_rows)
+    shape = {"num_layers": cfg.model.num_layers}
+    if data.layers is not None:
+        shape.update(head_type="eagle3", feature_layer_ids=data.layers)
+    hcfg = HeadConfig.for_target(target, draft_vocab_size=0 if vocab is None else vocab.shape[0], **shape)
+    head = make_head(hcfg).to(device=device, dtype=dtype).attach(target)
+    if vocab is not None:
+        head.set_draft_vocab(vocab.to(device))
+    if data.layers is not None:
+        head.init_from_target_lm_head(target)
+    if cfg.model.init == "identity":
+        head.init_identity_fc()
+    elif cfg.model.init == "target_last_layer":
+        head.init_from_target_layer(target)
+    return head
 
-    def progress() -> float:
-        parts = [state["train_s"] / limit_s if limit_s else 0.0, state["step"] / max_steps if max_steps else 0.0]
+
+@dataclass
+class Schedule:
+    """The budget (training seconds and / or steps) and the learning rate over it: linear warm-up, then a cosine
+    to zero at the end of the budget."""
+
+    lr: float
+    warmup_steps: int
+    limit_s: float  # 0: no time limit
+    max_steps: int  # 0: no step limit
+
+    def progress(self, state: dict) -> float:
+        parts = [state["train_s"] / self.limit_s if self.limit_s else 0.0,
+                 state["step"] / self.max_steps if self.max_steps else 0.0]
         return min(1.0, max(parts))
 
-    def lr_at() -> float:
-        warm = min(1.0, (state["step"] + 1) / max(1, cfg.optim.warmup_steps))
-        return cfg.optim.lr * warm * 0.5 * (1 + math.cos(math.pi * progress()))  # cosine to zero over the budget
+    def lr_at(self, state: dict) -> float:
+        warm = min(1.0, (state["step"] + 1) / max(1, self.warmup_steps))
+        return self.lr * warm * 0.5 * (1 + math.cos(math.pi * self.progress(state)))
 
-    def checkpoint_and_validate(final: bool) -> None:
-        v = validate(raw, target, val_rows, val_feats, prompts, cfg)
-        score = v["val_sim_tau"]  # every held-out row, so far less noisy than decoding a few prompts
-        if score > state["best_tau"]:
-            state["best_tau"] = score
-            save_head(raw, Path(cfg.out), extra={"step": state["step"], **v})
-        state["done"] = final
-        rec = {"step": state["step"], "train_min": round(state["train_s"] / 60, 2), **v, "best": state["best_tau"]}
-        log.write(rec, "val")
-        state["log_bytes"] = log.mark()
-        save_checkpoint(run, raw, opt, state)
-        tqdm.write("validation: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in rec.items()))
 
-    bar = tqdm(total=int(limit_s) if limit_s else max_steps, initial=int(state["train_s"]) if limit_s else state["step"],
-               unit="s" if limit_s else "step", desc="train", dynamic_ncols=True,
+def fit(cfg: TrainConfig, head, opt, params, accelerator, target, data: TrainData, run: Path,
+        state: dict | None) -> dict:
+    """The training steps from `state` (None: the start) to the end of the budget, with checkpoints every
+    `save_every_minutes` and validation every `eval.every_minutes` and at the end; returns the final state."""
+    state = state or {"step": 0, "epoch": 0, "batch_in_epoch": 0, "train_s": 0.0, "best_tau": -1.0,
+                      "tokens": 0, "done": False}
+    lengths = [r[0].shape[0] for r in data.rows]
+    steps_per_epoch = len(make_batches(lengths, cfg.optim.batch_tokens, torch.Generator()))
+    schedule = Schedule(cfg.optim.lr, cfg.optim.warmup_steps, cfg.budget.minutes * 60, cfg.budget.max_steps or (
+        int(cfg.budget.epochs * steps_per_epoch) if cfg.budget.epochs else 0))
+    log = RunLog(run, cfg.tensorboard, resume_step=state["step"], resume_bytes=state.get("log_bytes"))
+    print(f"{len(data.rows)} train rows ({sum(lengths)} tokens), {len(data.val_rows)} val rows, {steps_per_epoch} "
+          f"steps/epoch; target features in {data.feature_s:.1f}s"
+          + (f"; resuming at step {state['step']}" if state["step"] else ""))
+    bar = tqdm(total=int(schedule.limit_s) if schedule.limit_s else schedule.max_steps,
+               initial=int(state["train_s"]) if schedule.limit_s else state["step"],
+               unit="s" if schedule.limit_s else "step", desc="train", dynamic_ncols=True,
                bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt}{unit} [{elapsed}<{remaining}{postfix}]")
     last_save = last_val = state["train_s"]
     tok_window, t_window = 0, time.perf_counter()
-    while progress() < 1.0:
-        batches = make_batches([r[0].shape[0] for r in rows], cfg.optim.batch_tokens,
-                               torch.Generator().manual_seed(cfg.seed * 7919 + state["epoch"]))
-        for b in range(state["batch_in_epoch"], len(batches)):
-            t0 = time.perf_counter()
-            ids, mask, f = collate(rows, feats, batches[b], target, layers, cfg.loss.positions == "all")
-            for g in opt.param_groups:
-                g["lr"] = lr_at()
-            gen.manual_seed(cfg.seed * 1_000_003 + state["step"])  # noise depends on the step only: exact resume
-            with autocast:
-                loss, m = head_loss(raw, ids.to(accelerator.device), mask.to(accelerator.device),
-                                    f.to(accelerator.device, dtype), cfg, gen)
-            if not math.isfinite(m["loss"]):
-                bar.close()
-                log.close()
-                raise TrainError(f"loss is {m['loss']} at step {state['step']} (batch {b} of epoch "
-                                 f"{state['epoch']}): training stopped; {last_good(run, state['step'])}")
-            opt.zero_grad(set_to_none=True)
-            accelerator.backward(loss)
-            if cfg.optim.grad_clip:
-                norm = accelerator.clip_grad_norm_(params, cfg.optim.grad_clip)  # None under DeepSpeed
-                if norm is not None and not math.isfinite(float(norm)):  # before the step: the weights stay finite
-                    bar.close()
-                    log.close()
-                    raise TrainError(f"gradient norm is {float(norm)} at step {state['step']} (batch {b} of epoch "
-                                     f"{state['epoch']}): training stopped; {last_good(run, state['step'])}")
-            opt.step()
-            dt = time.perf_counter() - t0
-            state["step"] += 1
-            state["batch_in_epoch"] = b + 1
-            state["train_s"] += dt
-            state["tokens"] += ids.numel()
-            tok_window += ids.numel()
-            bar.update(int(state["train_s"]) - bar.n if limit_s else 1)  # whole seconds
-            if state["step"] % cfg.log_every == 0:
-                tps = tok_window / (time.perf_counter() - t_window)
-                tok_window, t_window = 0, time.perf_counter()
-                bar.set_postfix(loss=f"{m['loss']:.3f}", acc=f"{m['acc']:.3f}", tok_s=f"{tps:.0f}")
-                log.write({"step": state["step"], "lr": lr_at(), "tok_s": round(tps), **m}, "train")
-            if progress() >= 1.0:
-                break
-            if cfg.eval.every_minutes > 0 and state["train_s"] - last_val >= cfg.eval.every_minutes * 60:
-                checkpoint_and_validate(final=False)
-                last_val = last_save = state["train_s"]
-            elif state["train_s"] - last_save >= cfg.save_every_minutes * 60:
-                state["log_bytes"] = log.mark()
-                save_checkpoint(run, raw, opt, state)
-                last_save = state["train_s"]
-        else:
-            state["epoch"] += 1
-            state["batch_in_epoch"] = 0
-    bar.close()
-    checkpoint_and_validate(final=True)
-    log.close()
-    print(f"done: {state['step']} steps, {state['tokens']} tokens in {state['train_s'] / 60:.1f} min of training; "
-          f"best simulated validation tau {state['best_tau']:.3f} (k = {cfg.eval.num_speculative_tokens}); "
-          f"head in {cfg.out}")
+    try:
+        while schedule.progress(state) < 1.0:
+            batches = make_batches(lengths, cfg.optim.batch_tokens,
+                                   torch.Generator().manual_seed(cfg.seed * 7919 + state["epoch"]))
+            for b in range(state["batch_in_epoch"], len(batches)):
+                t0 = time.perf_counter()
+                m, tokens = train_step(cfg, head, opt, params, accelerator, target, data, batches[b],
+                                       schedule.lr_at(state), state, run)
+                state["step"] += 1
+                state["batch_in_epoch"] = b + 1
+                state["train_s"] += time.perf_counter() - t0
+                state["tokens"] += tokens
+                tok_window += tokens
+                bar.update(int(state["train_s"]) - bar.n if schedule.limit_s else 1)  # whole seconds
+                if state["step"] % cfg.log_every == 0:
+                    tps = tok_window / (time.perf_counter() - t_window)
+                    tok_window, t_window = 0, time.perf_counter()
+                    bar.set_postfix(loss=f"{m['loss']:.3f}", acc=f"{m['acc']:.3f}", tok_s=f"{tps:.0f}")
+                    log.write({"step": state["step"], "lr": schedule.lr_at(state), "tok_s": round(tps), **m}, "train")
+                if schedule.progress(state) >= 1.0:
+                    break
+                if cfg.eval.every_minutes > 0 and state["train_s"] - last_val >= cfg.eval.every_minutes * 60:
+                    checkpoint_and_validate(cfg, head, opt, target, data, run, state, log, final=False)
+                    last_val = last_save = state["train_s"]
+                elif state["train_s"] - last_save >= cfg.save_every_minutes * 60:
+                    state["log_bytes"] = log.mark()
+                    save_checkpoint(run, head, opt, state)
+                    last_save = state["train_s"]
+            else:
+                state["epoch"] += 1
+                state["batch_in_epoch"] = 0
+        bar.close()
+        checkpoint_and_validate(cfg, head, opt, target, data, run, state, log, final=True)
+    finally:
+        bar.close()
+        log.close()
     return state
+
+
+def train_step(cfg: TrainConfig, head, opt, params, accelerator, target, data: TrainData, batch: list[int],
+               lr: float, state: dict, run: Path) -> tuple[dict, int]:
+    """One optimizer step on the rows `batch`; returns its metrics and token count. A loss or gradient norm that is
+    not finite stops training with a TrainError naming the last good checkpoint (before the weights change)."""
+    dev, dtype = accelerator.device, next(head.parameters()).dtype
+    ids, mask, f = collate(data.rows, data.feats, batch, target, data.layers, cfg.loss.positions == "all")
+    for g in opt.param_groups:
+        g["lr"] = lr
+    gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + state["step"])  # the step's noise alone: exact resume
+    with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=cfg.mixed_precision == "bf16"):
+        loss, m = head_loss(head, ids.to(dev), mask.to(dev), f.to(dev, dtype), cfg, gen)
+    where = f"at step {state['step']} (batch {state['batch_in_epoch']} of epoch {state['epoch']})"
+    if not math.isfinite(m["loss"]):
+        raise TrainError(f"loss is {m['loss']} {where}: training stopped; {last_good(run, state['step'])}")
+    opt.zero_grad(set_to_none=True)
+    accelerator.backward(loss)
+    if cfg.optim.grad_clip:
+        norm = accelerator.clip_grad_norm_(params, cfg.optim.grad_clip)  # None under DeepSpeed
+        if norm is not None and not math.isfinite(float(norm)):  # before the step: the weights stay finite
+            raise TrainError(f"gradient norm is {float(norm)} {where}: training stopped; "
+                             f"{last_good(run, state['step'])}")
+    opt.step()
+    return m, ids.numel()
+
+
+def checkpoint_and_validate(cfg: TrainConfig, head, opt, target, data: TrainData, run: Path, state: dict,
+                            log: RunLog, final: bool) -> None:
+    """Validate; export the head to `out` when its simulated tau is the best so far; then the checkpoint."""
+    v = validate(head, target, data.val_rows, data.val_feats, data.prompts, cfg)
+    score = v["val_sim_tau"]  # every held-out row, so far less noisy than decoding a few prompts
+    if score > state["best_tau"]:
+        state["best_tau"] = score
+        save_head(head, Path(cfg.out), extra={"step": state["step"], **v})
+    state["done"] = final
+    rec = {"step": state["step"], "train_min": round(state["train_s"] / 60, 2), **v, "best": state["best_tau"]}
+    log.write(rec, "val")
+    state["log_bytes"] = log.mark()
+    save_checkpoint(run, head, opt, state)
+    tqdm.write("validation: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                                          for k, v in rec.items()))

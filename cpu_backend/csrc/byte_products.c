@@ -13,7 +13,7 @@
    rounding for the group (K-quants: for each half of it, with its d and m). Each row's sums do not depend on the
    other rows, so a verification pass gives each row a one-row call's bits (other bits than the FMA path's: the
    same float32 accuracy). A row with a non-finite value sends the call to the FMA path. Measured on Zen 4
-   (BENCHMARKS.md, thirty-seventh session): whole SmolLM2 passes 1.17-1.35x faster than on the FMA path at 1-16 rows;
+   (BENCHMARKS.md): whole SmolLM2 passes 1.17-1.35x faster than on the FMA path at 1-16 rows;
    the byte products serve up to VQ_MAX rows, so every verification pass keeps each row's one-row bits. */
 #if VQ_OK
 #define VQ_ROWS 3  /* rows a tile: 3 rows x 3 parts x 2 halves = 18 int32 sums in registers (4 rows: no faster) */
