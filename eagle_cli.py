@@ -123,9 +123,11 @@ def cmd_generate(args) -> None:
     cfg = _config_from_args(DecodeConfig, args)
     check_config(cfg)  # before the target loads
     dec = SpeculativeDecoder.from_pretrained(args.target, args.draft, draft_model=args.draft_model,
+                                             device=args.device, dtype=args.dtype,
                                              cpu=_config_from_args(CPUConfig, args), **dataclasses.asdict(cfg))
     tok = dec.target.tokenizer
-    g = torch.Generator().manual_seed(cfg.seed) if cfg.temperature > 0 and cfg.seed is not None else None
+    g = (torch.Generator(device=dec.target.device).manual_seed(cfg.seed)
+         if cfg.temperature > 0 and cfg.seed is not None else None)
     speculative = bool(args.draft or args.draft_model) or cfg.prompt_lookup_num_tokens > 0
     stream = dec.stream(args.prompt, speculative=speculative, generator=g)
     ids, shown = [], ""
@@ -175,6 +177,8 @@ def build_parser() -> argparse.ArgumentParser:
     sg.add_argument("--draft", default=None, help="an EAGLE head (a checkpoint directory)")
     sg.add_argument("--draft-model", default=None, help="instead of a head: a small LM with the target's tokenizer")
     sg.add_argument("--prompt", required=True)
+    sg.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda, cuda:N")
+    sg.add_argument("--dtype", default="float32", help="float32, bfloat16, float16")
     _add_dataclass_args(sg, DecodeConfig)
     _add_dataclass_args(sg, CPUConfig)
     sg.set_defaults(func=cmd_generate)

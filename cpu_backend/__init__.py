@@ -53,9 +53,10 @@ class CPUConfig:
 
 
 def applies(model: nn.Module) -> bool:
-    """Whether enabling `model` can speed it up: its weights are on the CPU."""
+    """Whether the backend is for `model`: its weights are float32 and on the CPU (elsewhere the stock modules run:
+    torch's own kernels, SDPA on GPUs)."""
     p = next(model.parameters(), None)
-    return p is not None and p.device.type == "cpu"
+    return p is not None and p.device.type == "cpu" and p.dtype == torch.float32
 
 
 _with_codes: weakref.WeakSet = weakref.WeakSet()  # models whose GGUF K-quant codes were read

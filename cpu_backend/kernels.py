@@ -261,7 +261,8 @@ PACK = 32  # outputs per packed block (NB in the C source)
 # read weights dequantized from GGUF Q4_1 in that form (`packed`); EAGLE_NO_Q4=1 keeps them in float32
 Q4_1 = not os.environ.get("EAGLE_NO_Q4")
 # multiply those codes on AMX tiles where the CPU and the kernel have them (float32 accuracy, other bits than the
-# float32 path's); EAGLE_NO_AMX=1 keeps the FMA path, which gives the float32 weights' bits
+# float32 path's); EAGLE_NO_AMX=1 leaves them to byte products where the CPU has AVX512-VNNI (below), and with
+# EAGLE_NO_VNNI=1 too to the FMA path, which gives the float32 weights' bits
 AMX = not os.environ.get("EAGLE_NO_AMX")
 # multiply the weights `draft_precision` marks (an EAGLE head's, while drafting) in int8 with a scale per output where
 # the CPU has AMX-INT8 or AVX512-VNNI (`pack_i8`: a quarter of float32's bytes), else on AMX tiles in bfloat16

@@ -63,6 +63,8 @@ class PrepConfig:
     # With regenerate and max_turns 1: keep the target features generation computed anyway (features-*.safetensors,
     # about 2.3 kB per token for SmolLM2), so training skips its own pass over the rows.
     save_features: bool = True
+    device: str = "auto"           # where the target regenerates and computes features: auto, cpu, cuda, cuda:N
+    dtype: str = "float32"         # the target's precision: float32, bfloat16, float16
 
 
 @dataclass
@@ -168,7 +170,7 @@ def prepare(cfg: PrepConfig, target=None) -> PrepSummary:
     if target is None:
         from eagle.target import load_target
 
-        target = load_target(cfg.target)
+        target = load_target(cfg.target, cfg.device, cfg.dtype)
     tok = target.tokenizer
     check_chat_template(tok)  # fail before reading any data
 
@@ -254,8 +256,12 @@ def _finished(cfg: PrepConfig) -> PrepSummary | None:
     if cfg.overwrite or not (out / "summary.json").exists() or not (out / "prep_config.yaml").exists():
         return None
 
-    same = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "overwrite"}
-    old = {k: v for k, v in (yaml.safe_load((out / "prep_config.yaml").read_text()) or {}).items() if k != "overwrite"}
+    # where it ran does not name the data; a setting an earlier version did not write had its default then
+    ignored = ("overwrite", "device")
+    same = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ignored}
+    written = yaml.safe_load((out / "prep_config.yaml").read_text()) or {}
+    defaults = {f.name: f.default for f in dataclasses.fields(PrepConfig) if f.default is not dataclasses.MISSING}
+    old = {k: v for k, v in {**defaults, **written}.items() if k not in ignored}
     if old != same:
         return None
     print(f"reusing the rows in {out} (prepared earlier with the same settings; --overwrite redoes them)")

@@ -273,8 +273,11 @@ class _BadJson:
 
 
 def _iter_parquet(path: Path, stats: SourceStats) -> Iterator[object]:
-    import pyarrow
-    import pyarrow.parquet as pq
+    try:
+        import pyarrow
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise DataError(f"{path}: reading Parquet needs the pyarrow package (pip install pyarrow, or datasets)") from None
 
     try:
         pf = pq.ParquetFile(path)
@@ -285,7 +288,11 @@ def _iter_parquet(path: Path, stats: SourceStats) -> Iterator[object]:
 
 
 def _iter_hub(name: str, max_rows: int | None, skip_rows: int, stats: SourceStats) -> Iterator[object]:
-    import datasets
+    try:
+        import datasets
+    except ImportError:
+        raise DataError(f"data {name!r} is not a local file; a hub dataset needs the datasets package "
+                        "(pip install datasets)") from None
 
     split = f"train[{skip_rows or ''}:{'' if max_rows is None else skip_rows + max_rows}]"
     split = "train" if split == "train[:]" else split

@@ -20,6 +20,7 @@ from torch import nn
 
 from eagle import interop
 from eagle.checkpoint import CheckpointError, read_config, read_raw, read_weights, save_head
+from eagle.device import resolve_device, resolve_dtype
 from eagle.head_config import HeadConfig, eagle3_layers
 
 __all__ = ["HeadConfig", "HeadCache", "EagleHead", "Eagle3Head", "make_head", "load_head", "eagle3_layers",
@@ -276,7 +277,8 @@ class EagleHead(nn.Module):
 
     @classmethod
     def from_pretrained(cls, path, device="cpu", dtype=torch.float32, target=None) -> "EagleHead":
-        """Our checkpoint directory or a published EAGLE-1/2 / EAGLE-3 one (`eagle.interop`)."""
+        """Our checkpoint directory or a published EAGLE-1/2 / EAGLE-3 one (`eagle.interop`), on `device` (auto, cpu,
+        cuda, cuda:N) in `dtype` (float32, bfloat16, float16; the d2t map stays integer)."""
         return load_head(path, device=device, dtype=dtype, target=target)
 
 
@@ -420,7 +422,8 @@ def load_head(path, device="cpu", dtype=torch.float32, target=None) -> EagleHead
     if problems:
         raise CheckpointError(f"draft head {str(path)!r} does not match its config: " + "; ".join(problems))
     head.load_state_dict(state, strict=False)
-    return head.to(device=device, dtype=dtype).eval()  # .to(dtype) leaves the integer d2t buffer alone
+    # .to(dtype) leaves the integer d2t buffer alone
+    return head.to(device=resolve_device(device), dtype=resolve_dtype(dtype)).eval()
 
 
 def validate_state(head: EagleHead, state: dict[str, torch.Tensor]) -> list[str]:

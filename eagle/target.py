@@ -14,6 +14,7 @@ second or two.
 from __future__ import annotations
 
 import hashlib
+import importlib
 import importlib.metadata
 import inspect
 import math
@@ -26,6 +27,8 @@ from pathlib import Path
 import torch
 from torch import nn
 from transformers.cache_utils import DynamicCache, DynamicLayer
+
+from eagle.device import full_float32_matmuls, resolve_device, resolve_dtype
 
 
 class TargetError(ValueError):
@@ -390,13 +393,23 @@ def preallocated_cache(preallocate: bool = True) -> DynamicCache:
     return cache
 
 
-def load_target(name: str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+def load_target(name: str, device: str | torch.device = "cpu", dtype: str | torch.dtype = torch.float32,
                 attn_implementation: str = "sdpa") -> TargetModel:
-    """Load a target by alias, .gguf path, local directory or hub id (see module docstring)."""
+    """Load a target by alias, .gguf path, local directory or hub id (see module docstring), onto `device` (auto, cpu,
+    cuda, cuda:N) in `dtype` (float32, bfloat16, float16)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    device, dtype = resolve_device(device), resolve_dtype(dtype)
+    if dtype == torch.float32:
+        full_float32_matmuls(device)
 
     src = gguf = resolve_target(name)
     if isinstance(src, Path) and src.suffix == ".gguf":
+        try:
+            importlib.import_module("gguf")  # transformers reads GGUF files with it
+        except ImportError:
+            raise TargetError(f"target {name!r} is a GGUF file: reading it needs the gguf package "
+                              "(pip install gguf)") from None
         cached = _gguf_cache_dir(src)
         if not (cached / "config.json").exists():
             _convert_gguf(src, cached)

@@ -29,6 +29,7 @@ import torch
 
 from cpu_backend import CPUConfig
 from eagle import load_target
+from eagle.device import resolve_device, resolve_dtype
 from infer.decoder import DecodeConfig, SpeculativeDecoder, check_config
 from infer.evaluate import EvalError, load_prompts
 from infer.proposer import ModelProposer
@@ -45,6 +46,8 @@ class BenchConfig:
     spread: bool = True  # prompts evenly spaced over the file (MT-bench's file is sorted by category)
     decode: DecodeConfig = field(default_factory=DecodeConfig)  # what every candidate shares
     cpu: CPUConfig = field(default_factory=CPUConfig)  # the CPU backend's switches (flat flags: --no-fast-path)
+    device: str = "auto"  # auto (CUDA when present), cpu, cuda, cuda:N
+    dtype: str = "float32"  # float32, bfloat16, float16
     sweep_k: list[int] = field(default_factory=lambda: [1, 2, 3, 4, 5, 6])
     sweep_dynamic: list[str] = field(default_factory=lambda: ["2:3:4", "4:3:8", "4:4:8", "8:4:16"])
     sweep_lookup: list[int] = field(default_factory=lambda: [0, 5, 8])  # 0: the head's drafts alone
@@ -120,13 +123,15 @@ def flags(settings: dict) -> str:
 
 def bench(cfg: BenchConfig, decoder: SpeculativeDecoder | None = None) -> BenchReport:
     check_config(cfg.decode)
+    resolve_device(cfg.device), resolve_dtype(cfg.dtype)  # one-line errors before anything loads
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
     has_head = bool(cfg.draft or cfg.draft_model) or (decoder is not None and decoder.proposer is not None)
     chains_only = bool(cfg.draft_model) or isinstance(getattr(decoder, "proposer", None), ModelProposer)
     cands = candidates(dataclasses.replace(cfg, sweep_dynamic=[]) if chains_only else cfg, has_head)
     prompts = load_prompts(cfg.data, cfg.num_prompts, cfg.spread)
-    dec = decoder or SpeculativeDecoder.from_pretrained(load_target(cfg.target), cfg.draft or None,
+    target = None if decoder else load_target(cfg.target, cfg.device, cfg.dtype)  # one-line errors before decoding
+    dec = decoder or SpeculativeDecoder.from_pretrained(target, cfg.draft or None,
                                                         draft_model=cfg.draft_model or None)
     dec.config, dec.cpu = cfg.decode, cfg.cpu
     alone = SpeculativeDecoder(dec.target, None, config=cfg.decode, cpu=cfg.cpu)  # prompt lookup without the head
@@ -134,7 +139,9 @@ def bench(cfg: BenchConfig, decoder: SpeculativeDecoder | None = None) -> BenchR
     n = cfg.decode.max_new_tokens
 
     def run(c: Candidate | None, prompt: str, i: int, new_tokens: int = n):
-        g = torch.Generator().manual_seed((cfg.decode.seed or 0) * 1_000_003 + i) if sampling else None
+        g = None
+        if sampling:
+            g = torch.Generator(device=dec.target.device).manual_seed((cfg.decode.seed or 0) * 1_000_003 + i)
         if c is None:
             return dec.generate(prompt, new_tokens, speculative=False, generator=g)
         return (dec if c.head else alone).generate(prompt, new_tokens, generator=g, **c.settings)

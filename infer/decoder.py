@@ -205,12 +205,13 @@ class SpeculativeDecoder:
 
     @classmethod
     def from_pretrained(cls, target: str | TargetModel, draft: str | EagleHead | None = None,
-                        device: str = "cpu", dtype: torch.dtype = torch.float32,
+                        device: str | torch.device = "auto", dtype: str | torch.dtype = "float32",
                         draft_model: str | TargetModel | None = None, cpu: CPUConfig | None = None,
                         **config) -> "SpeculativeDecoder":
         """`draft`: an EAGLE head (a checkpoint directory); or `draft_model`: a small causal LM with the target's
-        tokenizer (any name `load_target` takes), drafting chains. `config`: DecodeConfig's fields; `cpu`: the CPU
-        backend's switches."""
+        tokenizer (any name `load_target` takes), drafting chains. `device`: auto (CUDA when present), cpu, cuda,
+        cuda:N; `dtype`: float32, bfloat16, float16 (a target given as a TargetModel keeps its own). `config`:
+        DecodeConfig's fields; `cpu`: the CPU backend's switches (it engages on the CPU in float32 only)."""
         if isinstance(target, str):
             target = load_target(target, device=device, dtype=dtype)
         if draft is not None and draft_model is not None:
@@ -288,7 +289,7 @@ class SpeculativeDecoder:
             cfg.max_new_tokens = max_new_tokens
         check_config(cfg)
         if cfg.temperature > 0 and generator is None and cfg.seed is not None:
-            generator = torch.Generator().manual_seed(cfg.seed)
+            generator = torch.Generator(device=self.target.device).manual_seed(cfg.seed)
         lookup = cfg.prompt_lookup_num_tokens > 0
         if speculative and self.proposer is None and not lookup:
             raise ValueError("speculative decoding needs a draft head or prompt lookup; pass draft=..., "

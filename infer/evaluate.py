@@ -30,6 +30,7 @@ import torch
 
 from cpu_backend import CPUConfig
 from eagle import load_target
+from eagle.device import resolve_device, resolve_dtype
 from infer.decoder import DecodeConfig, GenerateOutput, SpeculativeDecoder, check_config
 from infer.proposer import load_choices
 from infer.reference import HFReference, first_mismatch
@@ -52,6 +53,8 @@ class EvalConfig:
     spread: bool = False
     decode: DecodeConfig = field(default_factory=DecodeConfig)
     cpu: CPUConfig = field(default_factory=CPUConfig)  # the CPU backend's switches (flat flags: --no-fast-path)
+    device: str = "auto"  # auto (CUDA when present), cpu, cuda, cuda:N
+    dtype: str = "float32"  # float32, bfloat16, float16
     warmup: int = 1  # prompts decoded once, unmeasured, before timing starts
     num_threads: int = 0
     # "hf": also decode every prompt greedily with stock transformers, a model loaded on its own (infer.reference),
@@ -92,8 +95,11 @@ def load_prompts(spec: str, n: int, spread: bool = False) -> list[dict]:
                 except json.JSONDecodeError as e:
                     raise EvalError(f"prompt file {spec!r} line {i + 1} is not valid JSON: {e.msg}") from None
     else:
-        from datasets import load_dataset
-
+        try:
+            from datasets import load_dataset
+        except ImportError:
+            raise EvalError(f"prompt set {spec!r} is not a local file; a hub dataset needs the datasets package "
+                            "(pip install datasets)") from None
         try:
             rows = list(load_dataset(spec, split="test" if "test" in spec else "train"))
         except Exception as e:  # the hub client raises many types; name the input and the first line of why
@@ -197,11 +203,13 @@ def evaluate(cfg: EvalConfig, decoder: SpeculativeDecoder | None = None,
     d = cfg.decode
     check_config(d)  # before the target loads
     check_reference(cfg)
+    resolve_device(cfg.device), resolve_dtype(cfg.dtype)  # one-line errors before anything loads
     k = draft_depth(d)
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
     prompts = load_prompts(cfg.data, cfg.num_prompts, cfg.spread)
-    dec = decoder or SpeculativeDecoder.from_pretrained(load_target(cfg.target), cfg.draft or None,
+    target = None if decoder else load_target(cfg.target, cfg.device, cfg.dtype)  # one-line errors before decoding
+    dec = decoder or SpeculativeDecoder.from_pretrained(target, cfg.draft or None,
                                                         draft_model=cfg.draft_model or None)
     dec.config, dec.cpu = d, cfg.cpu
     sampling = d.temperature > 0
@@ -209,7 +217,7 @@ def evaluate(cfg: EvalConfig, decoder: SpeculativeDecoder | None = None,
         reference = HFReference.load(dec.target.name, device=dec.target.device, dtype=dec.target.dtype)
 
     def run(prompt, n, speculative, i):
-        g = torch.Generator().manual_seed((d.seed or 0) * 1_000_003 + i) if sampling else None
+        g = torch.Generator(device=dec.target.device).manual_seed((d.seed or 0) * 1_000_003 + i) if sampling else None
         return dec.generate(prompt, n, speculative=speculative, generator=g)
 
     for p in prompts:  # before any decoding: a prompt the context cannot take ends the run at once

@@ -46,19 +46,26 @@ def process(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: flo
     return probs
 
 
+def uniform(shape, generator: torch.Generator | None, device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Uniform draws in [0, 1) of `shape` on `device`, taken from `generator` on its own device (so a CPU generator
+    serves CUDA tensors and the other way round; None: the global generator of `device`)."""
+    where = generator.device if generator is not None else device
+    return torch.rand(shape, generator=generator, device=where, dtype=dtype).to(device)
+
+
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     """One draw from `probs` [V] (non-negative, not necessarily normalized) by inverting its cumulative sum in
     float64: a uniform u picks the first token whose cumulative mass exceeds u times the total, so a token of zero
     probability is never drawn. The distribution of `torch.multinomial`, at a fraction of its cost over SmolLM2's
     49,152 tokens (0.05 against 0.85 ms: it draws a random number per token)."""
     c = probs.double().cumsum(-1)
-    i = int(torch.searchsorted(c, torch.rand(1, generator=generator, dtype=torch.float64) * c[-1], right=True))
+    i = int(torch.searchsorted(c, uniform(1, generator, c.device, torch.float64) * c[-1], right=True))
     return i if i < c.shape[-1] else int((probs > 0).nonzero()[-1])  # u * total rounded up to the total
 
 
 def gumbel_top(logq: torch.Tensor, m: int, generator: torch.Generator | None) -> torch.Tensor:
     """m draws without replacement from softmax(logq), in the order drawn (the Gumbel-top-k trick); [..., m]."""
-    u = torch.rand(logq.shape, generator=generator, dtype=torch.float32).clamp_(1e-20, 1.0)
+    u = uniform(logq.shape, generator, logq.device).clamp_(1e-20, 1.0)
     keys = logq.float() - torch.log(-torch.log(u))
     return keys.topk(m, dim=-1).indices
 
@@ -114,7 +121,7 @@ def _try_children(node, first, kids, tokens, p_left, q_left, generator):
     `first`: a point-mass child tried before the drafted `kids` (None: none)."""
     if first is not None:
         x = int(tokens[first])
-        if float(torch.rand((), generator=generator)) < float(p_left[x]):
+        if float(uniform((), generator, p_left.device)) < float(p_left[x]):
             return first
         p_left[x] = 0.0
         p_left /= p_left.sum()
@@ -128,7 +135,7 @@ def _try_children(node, first, kids, tokens, p_left, q_left, generator):
             if q_x == 0.0:  # more children asked for than q has tokens: the rest were never drawn from q
                 break
             residual = q_left / mass
-        u = float(torch.rand((), generator=generator))
+        u = float(uniform((), generator, p_left.device))
         if u * q_x < float(p_left[x]):
             return c
         if residual is None:

@@ -93,7 +93,7 @@ def test_enable_then_remove_restores_the_stock_forward():
 
 
 def test_speculative_greedy_equals_plain_greedy_with_fast_linear_on_and_off():
-    target = tiny_target()
+    target = tiny_target(dtype=torch.float32)  # the backend is for float32 on the CPU
     dec = SpeculativeDecoder(target, tiny_head(target))
     prompt = [5, 9, 14, 22, 7]
     plain_off = dec.generate(prompt, max_new_tokens=24, speculative=False, cpu=CPUConfig(fast_path=False)).token_ids
@@ -106,6 +106,9 @@ def test_speculative_greedy_equals_plain_greedy_with_fast_linear_on_and_off():
     dec.generate(prompt, max_new_tokens=4, cpu=CPUConfig(fast_path=False))
     assert not fast_linear_enabled(target.model) and not fast_linear_enabled(dec.head)
     assert not any("forward" in m.__dict__ for m in target.model.modules())
+    double = tiny_target()  # float64: the stock modules, the backend left out
+    SpeculativeDecoder(double, tiny_head(double)).generate(prompt, max_new_tokens=4, num_speculative_tokens=3)
+    assert not fast_linear_enabled(double.model)
 
 
 @pytest.mark.skipif(not kernels.available(), reason="the C kernel does not build here")

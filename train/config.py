@@ -32,6 +32,8 @@ class ModelConfig:
     # 82 % of the target's tokens, the 8,192 most frequent of 6,000 ShareGPT rows 90 %, 16,384 96 % (BENCHMARKS.md).
     vocab_counts: str = ""
     vocab_count_rows: int = 6000
+    # the head's and the target's weights: float32, bfloat16, float16 (`mixed_precision: bf16` keeps float32 weights
+    # and runs the products in bfloat16)
     dtype: str = "float32"
 
 
@@ -104,6 +106,8 @@ class TrainConfig:
     loss: LossConfig = field(default_factory=LossConfig)
     budget: BudgetConfig = field(default_factory=BudgetConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    # auto (CUDA when present), cpu, cuda, cuda:N; under `accelerate launch` each process takes its own GPU
+    device: str = "auto"
     run_dir: str = "runs/demo/train"  # checkpoints, logs, resolved config
     out: str = "runs/demo/head"  # the best head, as a loadable checkpoint directory
     save_every_minutes: float = 2.0

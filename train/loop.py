@@ -35,6 +35,7 @@ from eagle import EagleHead, HeadCache, HeadConfig, TargetModel, load_target
 from eagle.checkpoint import check_head_dir, fsync_path, recover_dir, replace_dir, save_head
 from eagle.features import DTYPES as FEATURE_DTYPES, features_path, flat_rows, load_features, save_features
 from eagle.configio import save_config
+from eagle.device import resolve_device, resolve_dtype
 from eagle.head import eagle3_layers, load_head, make_head
 from train.config import TrainConfig
 from train.runlog import RunLog
@@ -294,7 +295,7 @@ def head_loss(head: EagleHead, ids, mask, feats, cfg: TrainConfig, gen, noise: b
         if eagle3:
             step_loss = ce
         else:
-            feat_loss = F.smooth_l1_loss(out.float(), want)
+            feat_loss = F.smooth_l1_loss(out.float(), want.float())
             step_loss = cfg.loss.feature_weight * feat_loss + cfg.loss.ce_weight * ce
         total = total + cfg.loss.step_decay ** (s - 1) * step_loss
         acc = (log_q.argmax(-1) == p.argmax(-1)).float().mean().item()
@@ -452,9 +453,11 @@ def validate(head, target, val_rows, val_feats, prompts, cfg: TrainConfig) -> di
     layers = list(head.config.feature_layer_ids) if head.config.head_type == "eagle3" else None
     stats, n = {"val_loss": 0.0, "val_acc": 0.0}, 0
     k, accepts = cfg.eval.num_speculative_tokens, []
+    p = next(head.parameters())
     with torch.no_grad():
         for idx in make_batches([r[0].shape[0] for r in val_rows], cfg.optim.batch_tokens, gen):
             ids, mask, feats = collate(val_rows, val_feats, idx, target, layers)  # online: one target pass
+            ids, mask, feats = ids.to(p.device), mask.to(p.device), feats.to(p.device, p.dtype)
             _, m = head_loss(head, ids, mask, feats, cfg, gen, noise=False)
             stats["val_loss"] += m["loss"] * m["tokens"]
             stats["val_acc"] += m["acc"] * m["tokens"]
@@ -487,8 +490,11 @@ def train(cfg: TrainConfig, target: TargetModel | None = None) -> dict:
     if state and state.get("done"):
         print(f"training in {run} already finished at step {state['step']}; best head in {cfg.out}")
         return state
-    accelerator = Accelerator(cpu=not torch.cuda.is_available())
-    dtype = getattr(torch, cfg.model.dtype)
+    device = resolve_device(cfg.device)
+    if device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device)  # accelerate takes the current device
+    accelerator = Accelerator(cpu=device.type == "cpu")
+    dtype = resolve_dtype(cfg.model.dtype)
     target = target or load_target(cfg.model.target, device=accelerator.device, dtype=dtype)
     data = load_data(cfg, target)                        # 3. rows, target features, held-out rows and prompts
     head = (load_head(run / "checkpoint" / "head", device=accelerator.device, dtype=dtype).attach(target)
@@ -498,7 +504,7 @@ def train(cfg: TrainConfig, target: TargetModel | None = None) -> dict:
                                                                                               "lm_head."))]
     opt = torch.optim.AdamW(params, lr=cfg.optim.lr, betas=tuple(cfg.optim.betas), weight_decay=cfg.optim.weight_decay)
     if state:                                            # 5. the optimizer, resumed
-        opt.load_state_dict(torch.load(run / "checkpoint" / "optimizer.pt", weights_only=True))
+        opt.load_state_dict(torch.load(run / "checkpoint" / "optimizer.pt", map_location="cpu", weights_only=True))
     head, opt = accelerator.prepare(head, opt)
     raw = accelerator.unwrap_model(head)
     if cfg.cpu.fast_path and accelerator.device.type == "cpu" and cfg.mixed_precision == "none":
@@ -528,6 +534,7 @@ def check_config(cfg: TrainConfig) -> None:
         raise TrainError("set a budget: budget.max_steps, budget.minutes or budget.epochs")
     if cfg.data.feature_dtype not in FEATURE_DTYPES:
         raise TrainError(f"data.feature_dtype {cfg.data.feature_dtype!r}: expected one of {', '.join(FEATURE_DTYPES)}")
+    resolve_device(cfg.device), resolve_dtype(cfg.model.dtype)  # one-line DeviceErrors
     if cfg.mixed_precision not in ("none", "bf16"):
         raise TrainError(f"mixed_precision {cfg.mixed_precision!r}: expected none or bf16")
     if cfg.model.init not in ("identity", "target_last_layer", "random"):

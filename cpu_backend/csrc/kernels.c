@@ -1,4 +1,4 @@
-/* kernels.c: the CPU backend's C, compiled by eagle/cpukernel.py's `build` into one shared library.
+/* kernels.c: the CPU backend's C, compiled by cpu_backend/kernels.py's `build` into one shared library.
 
    A unity build: this file includes the parts, in the order of their dependencies, as one translation unit. So the
    functions one part calls in another stay static (declared once in kernels.h): the compiler inlines across the

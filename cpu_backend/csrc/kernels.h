@@ -1,6 +1,6 @@
 /* kernels.h: what one part of the CPU kernels offers the others, declared once: the shared types and constants and
    the static functions a later part calls (all parts are one translation unit, kernels.c, so these stay static and
-   the library exports only the functions at the end: eagle/cpukernel.py's `load` gives those their ctypes
+   the library exports only the functions at the end: cpu_backend/kernels.py's `load` gives those their ctypes
    signatures). Tables one part reads from an earlier one (codes.c's Q4TILES / Q8TILES / KQTILES in products.c,
    screen.c's QUADS in int8.c) come with the part that defines them: kernels.c includes the parts in that order. */
 #ifndef EAGLE_CPU_KERNELS_H
@@ -69,7 +69,7 @@ static void i8_gated(const float *G, const float *U, const float *X, float *Y, i
                      int64_t M, int nthreads, int act);
 static void i8_one_block(const float *P, int64_t b, const float *X, int64_t in_f, int R, float *acc);
 
-/* The library's functions (`load` in eagle/cpukernel.py declares their argument types) */
+/* The library's functions (`load` in cpu_backend/kernels.py declares their argument types) */
 int q4_supported(void);
 int vq_supported(void);
 int amx_enable(void);
