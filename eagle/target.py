@@ -394,9 +394,10 @@ def preallocated_cache(preallocate: bool = True) -> DynamicCache:
 
 
 def load_target(name: str, device: str | torch.device = "cpu", dtype: str | torch.dtype = torch.float32,
-                attn_implementation: str = "sdpa") -> TargetModel:
+                attn_implementation: str = "sdpa", device_map: str | dict | None = None) -> TargetModel:
     """Load a target by alias, .gguf path, local directory or hub id (see module docstring), onto `device` (auto, cpu,
-    cuda, cuda:N) in `dtype` (float32, bfloat16, float16)."""
+    cuda, cuda:N) in `dtype` (float32, bfloat16, float16). `device_map` (e.g. "auto": transformers and accelerate
+    spread a target too large for one GPU over every GPU, and the CPU) places it instead of `device`."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     device, dtype = resolve_device(device), resolve_dtype(dtype)
@@ -416,11 +417,15 @@ def load_target(name: str, device: str | torch.device = "cpu", dtype: str | torc
         src = cached
     try:
         tok = AutoTokenizer.from_pretrained(src)
-        model = AutoModelForCausalLM.from_pretrained(src, dtype=dtype, attn_implementation=attn_implementation)
+        placed = {"device_map": device_map} if device_map else {}
+        model = AutoModelForCausalLM.from_pretrained(src, dtype=dtype, attn_implementation=attn_implementation,
+                                                     **placed)
     except OSError as e:
         where = "" if isinstance(src, Path) else "no such local path, and as a hub id: "
         raise TargetError(f"target {name!r} could not be loaded: {where}{str(e).splitlines()[0]}") from None
-    model.to(device).eval().requires_grad_(False)
+    if not device_map:
+        model.to(device)
+    model.eval().requires_grad_(False)
     if name in ALIAS_TEMPLATES and not tok.chat_template:
         tok.chat_template = ALIAS_TEMPLATES[name]
     return TargetModel(name=name, model=model, tokenizer=tok, source=gguf if src is not gguf else None)

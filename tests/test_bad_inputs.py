@@ -298,7 +298,7 @@ def test_train_refuses_an_out_that_is_not_a_head_before_training(files, tmp_path
 # -- training configs ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("args, message", [
     (("--config", "missing.yaml"), "config file 'missing.yaml' does not exist"),
-    (("optim.lrr=1",), "unknown config key 'optim.lrr' (known: batch_tokens, betas, grad_clip, lr, warmup_steps, "
+    (("optim.lrr=1",), "unknown config key 'optim.lrr' (known: accumulate, batch_tokens, betas, grad_clip, lr, warmup_steps, "
                        "weight_decay)"),
     (("optim.lr",), "override 'optim.lr' is not of the form key=value"),
     (("optim.lr=fast",), "config key 'optim.lr' must be float, got 'fast'"),

@@ -35,6 +35,9 @@ class ModelConfig:
     # the head's and the target's weights: float32, bfloat16, float16 (`mixed_precision: bf16` keeps float32 weights
     # and runs the products in bfloat16)
     dtype: str = "float32"
+    # "auto": the target spread over every GPU (and the CPU) by transformers / accelerate, for online training
+    # (`data.online`) with a target larger than one GPU; "": the target whole on `device`. Untested on GPUs.
+    device_map: str = ""
 
 
 @dataclass
@@ -62,6 +65,8 @@ class OptimConfig:
     warmup_steps: int = 20
     grad_clip: float = 0.5
     batch_tokens: int = 8192  # padded tokens per batch (rows of similar length are batched together)
+    # micro-batches per optimizer step on each process: a step sees accumulate x processes batches (train.parallel)
+    accumulate: int = 1
 
 
 @dataclass
@@ -108,6 +113,9 @@ class TrainConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     # auto (CUDA when present), cpu, cuda, cuda:N; under `accelerate launch` each process takes its own GPU
     device: str = "auto"
+    # how many processes trained (`accelerate launch`, `torchrun`): written by the run into its config.yaml; a run
+    # resumes with the same number (0 in a config: whatever was launched)
+    num_processes: int = 0
     run_dir: str = "runs/demo/train"  # checkpoints, logs, resolved config
     out: str = "runs/demo/head"  # the best head, as a loadable checkpoint directory
     save_every_minutes: float = 2.0

@@ -38,6 +38,7 @@ from eagle.configio import save_config
 from eagle.device import resolve_device, resolve_dtype
 from eagle.head import eagle3_layers, load_head, make_head
 from train.config import TrainConfig
+from train.parallel import Ranks, average_gradients
 from train.runlog import RunLog
 
 
@@ -441,82 +442,94 @@ def val_prompts(cfg: TrainConfig) -> list[str]:
     return [p["prompt"] for p in load_prompts(str(path), cfg.eval.num_prompts)]
 
 
-def validate(head, target, val_rows, val_feats, prompts, cfg: TrainConfig) -> dict:
+def validate(head, target, val_rows, val_feats, prompts, cfg: TrainConfig, ranks: Ranks = Ranks()) -> dict:
     """On the held-out rows: teacher-forced loss and top-1 agreement, and the tau and per-depth acceptance of chain
     decoding with eval.num_speculative_tokens drafts simulated along them (`batch_accepts`: every row, no
     target pass); plus tau from real chain decoding of eval.num_prompts held-out prompts, a check of the
-    simulation on a few prompts."""
+    simulation on a few prompts. With several processes each takes its share of the batches (the sums are
+    reduced) and the main process decodes the prompts."""
     from infer import SpeculativeDecoder
 
     head.eval()
     gen = torch.Generator().manual_seed(0)
     layers = list(head.config.feature_layer_ids) if head.config.head_type == "eagle3" else None
-    stats, n = {"val_loss": 0.0, "val_acc": 0.0}, 0
-    k, accepts = cfg.eval.num_speculative_tokens, []
+    k, accepts, sums = cfg.eval.num_speculative_tokens, [], torch.zeros(3, dtype=torch.float64)
     p = next(head.parameters())
+    batches = make_batches([r[0].shape[0] for r in val_rows], cfg.optim.batch_tokens, gen)
     with torch.no_grad():
-        for idx in make_batches([r[0].shape[0] for r in val_rows], cfg.optim.batch_tokens, gen):
+        for idx in batches[ranks.index::ranks.count]:
             ids, mask, feats = collate(val_rows, val_feats, idx, target, layers)  # online: one target pass
             ids, mask, feats = ids.to(p.device), mask.to(p.device), feats.to(p.device, p.dtype)
             _, m = head_loss(head, ids, mask, feats, cfg, gen, noise=False)
-            stats["val_loss"] += m["loss"] * m["tokens"]
-            stats["val_acc"] += m["acc"] * m["tokens"]
-            n += m["tokens"]
+            sums += torch.tensor([m["loss"] * m["tokens"], m["acc"] * m["tokens"], m["tokens"]], dtype=torch.float64)
             accepts += [a for row in batch_accepts(head, target, ids, mask, feats, k) for a in row]
-    stats = {key: v / max(n, 1) for key, v in stats.items()}
+    sums = ranks.sum_(sums.to(p.device)).cpu()
+    accepts = [a for part in ranks.gather(accepts) for a in part]
+    stats = {"val_loss": float(sums[0] / max(sums[2], 1)), "val_acc": float(sums[1] / max(sums[2], 1))}
     sim = acceptance_stats(accepts, k)
     stats["val_sim_tau"], stats["val_sim_accept"] = sim["tau"], sim["accept"]
     if prompts:
-        dec = SpeculativeDecoder(target, head)
-        emitted = rounds = 0
-        for p in prompts:
-            out = dec.generate(p, cfg.eval.max_new_tokens, num_speculative_tokens=cfg.eval.num_speculative_tokens,
-                               cpu=cfg.cpu)
-            emitted += sum(out.accept_lengths) + out.rounds
-            rounds += out.rounds
-        stats["val_tau"] = emitted / max(rounds, 1)
+        tau = None
+        if ranks.main:
+            dec = SpeculativeDecoder(target, head)
+            emitted = rounds = 0
+            for prompt in prompts:
+                out = dec.generate(prompt, cfg.eval.max_new_tokens,
+                                   num_speculative_tokens=cfg.eval.num_speculative_tokens, cpu=cfg.cpu)
+                emitted += sum(out.accept_lengths) + out.rounds
+                rounds += out.rounds
+            tau = emitted / max(rounds, 1)
+        stats["val_tau"] = ranks.from_main(tau)
     head.train()
     return stats
 
 
 # -- the loop -----------------------------------------------------------------------------------------------------
 def train(cfg: TrainConfig, target: TargetModel | None = None) -> dict:
-    """Train (or resume) the head `cfg` describes; returns the final trainer state."""
+    """Train (or resume) the head `cfg` describes, in this process or in each of several (`train.parallel`);
+    returns the final trainer state."""
     from accelerate import Accelerator
 
     check_config(cfg)                                    # 1. one-line errors before any time is spent
-    run = Path(cfg.run_dir)
-    state = resume_state(cfg, run)                       # 2. the last complete checkpoint's state, if any
-    if state and state.get("done"):
-        print(f"training in {run} already finished at step {state['step']}; best head in {cfg.out}")
-        return state
     device = resolve_device(cfg.device)
     if device.type == "cuda" and device.index is not None:
         torch.cuda.set_device(device)  # accelerate takes the current device
     accelerator = Accelerator(cpu=device.type == "cpu")
+    ranks = Ranks.of(accelerator)
+    run = Path(cfg.run_dir)
+    state = resume_state(cfg, run, ranks)                # 2. the last complete checkpoint's state, if any
+    if state and state.get("done"):
+        say(ranks, f"training in {run} already finished at step {state['step']}; best head in {cfg.out}")
+        return state
     dtype = resolve_dtype(cfg.model.dtype)
-    target = target or load_target(cfg.model.target, device=accelerator.device, dtype=dtype)
-    data = load_data(cfg, target)                        # 3. rows, target features, held-out rows and prompts
+    target = target or load_target(cfg.model.target, device=accelerator.device, dtype=dtype,
+                                   device_map=cfg.model.device_map or None)
+    with accelerator.main_process_first():               # 3. rows, target features (the main process writes them
+        data = load_data(cfg, target, quiet=not ranks.main)  # once), held-out rows and prompts
     head = (load_head(run / "checkpoint" / "head", device=accelerator.device, dtype=dtype).attach(target)
-            if state else new_head(cfg, target, data, accelerator.device, dtype))  # 4. the head
+            if state else new_head(cfg, target, data, accelerator.device, dtype))  # 4. the head, alike everywhere
     head.train()
     params = [p for n, p in head.named_parameters() if p.requires_grad and not n.startswith(("embed_tokens.",
                                                                                               "lm_head."))]
     opt = torch.optim.AdamW(params, lr=cfg.optim.lr, betas=tuple(cfg.optim.betas), weight_decay=cfg.optim.weight_decay)
     if state:                                            # 5. the optimizer, resumed
         opt.load_state_dict(torch.load(run / "checkpoint" / "optimizer.pt", map_location="cpu", weights_only=True))
-    head, opt = accelerator.prepare(head, opt)
-    raw = accelerator.unwrap_model(head)
     if cfg.cpu.fast_path and accelerator.device.type == "cpu" and cfg.mixed_precision == "none":
-        cpu_backend.enable(raw)                          # 6. the head's products through the CPU backend
-        slower = cpu_backend.plan_training(raw, min(cfg.optim.batch_tokens, 1024))  # ... where it beats F.linear's
+        cpu_backend.enable(head)                         # 6. the head's products through the CPU backend
+        slower = cpu_backend.plan_training(head, min(cfg.optim.batch_tokens, 1024))  # ... where it beats F.linear's
         if slower:
-            print(f"training products through F.linear for {', '.join(slower)} (measured faster than the kernel)")
-    state = fit(cfg, raw, opt, params, accelerator, target, data, run, state)  # 7. steps, checkpoints, validation
-    print(f"done: {state['step']} steps, {state['tokens']} tokens in {state['train_s'] / 60:.1f} min of training; "
-          f"best simulated validation tau {state['best_tau']:.3f} (k = {cfg.eval.num_speculative_tokens}); "
-          f"head in {cfg.out}")
+            say(ranks, f"training products through F.linear for {', '.join(slower)} (measured faster than the kernel)")
+    state = fit(cfg, head, opt, params, target, data, run, state, ranks)  # 7. steps, checkpoints, validation
+    say(ranks, f"done: {state['step']} steps, {state['tokens']} tokens in {state['train_s'] / 60:.1f} min of training; "
+               f"best simulated validation tau {state['best_tau']:.3f} (k = {cfg.eval.num_speculative_tokens}); "
+               f"head in {cfg.out}")
     return state
+
+
+def say(ranks: Ranks, text: str) -> None:
+    """Print on the main process only."""
+    if ranks.main:
+        print(text, flush=True)
 
 
 def check_config(cfg: TrainConfig) -> None:
@@ -539,6 +552,8 @@ def check_config(cfg: TrainConfig) -> None:
         raise TrainError(f"mixed_precision {cfg.mixed_precision!r}: expected none or bf16")
     if cfg.model.init not in ("identity", "target_last_layer", "random"):
         raise TrainError(f"model.init {cfg.model.init!r} is not one of identity, target_last_layer, random")
+    if cfg.optim.accumulate < 1:
+        raise TrainError(f"optim.accumulate {cfg.optim.accumulate}: expected at least 1 micro-batch a step")
     if not 0 <= cfg.optim.lr <= torch.finfo(torch.float32).max:  # else AdamW's step fails with a RuntimeError
         raise TrainError(f"optim.lr {cfg.optim.lr}: expected a number >= 0 that float32 holds")
     negative = [f"budget.{k} {v}" for k, v in vars(cfg.budget).items() if v < 0]
@@ -553,16 +568,27 @@ def check_config(cfg: TrainConfig) -> None:
     check_head_dir(out, "out ")
 
 
-def resume_state(cfg: TrainConfig, run: Path) -> dict | None:
-    """The run directory made (its resolved config.yaml written) and the state of its last complete checkpoint,
-    or None for a new run; a head write killed between its renames is undone first."""
-    recover_dir(Path(cfg.out))
+def resume_state(cfg: TrainConfig, run: Path, ranks: Ranks = Ranks()) -> dict | None:
+    """The run directory made (its resolved config.yaml written, with the number of processes) and the state of its
+    last complete checkpoint, or None for a new run; a head write killed between its renames is undone first. The
+    main process writes; the others wait, then read the same state."""
+    if cfg.num_processes not in (0, ranks.count):
+        raise TrainError(f"num_processes {cfg.num_processes} in the config, but {ranks.count} processes were launched")
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
-    run.mkdir(parents=True, exist_ok=True)
-    ckpt = last_checkpoint(run)
-    state = json.loads((ckpt / "state.json").read_text()) if ckpt else None
-    if not (state and state.get("done")):
+    if ranks.main:
+        recover_dir(Path(cfg.out))
+        run.mkdir(parents=True, exist_ok=True)
+        last_checkpoint(run)
+    ranks.barrier()
+    ckpt = run / "checkpoint"
+    state = json.loads((ckpt / "state.json").read_text()) if (ckpt / "state.json").exists() else None
+    trained_by = (state or {}).get("num_processes", 1)
+    if state and not state.get("done") and trained_by != ranks.count:
+        raise TrainError(f"run_dir {str(run)!r} was trained by {trained_by} processes: resume it with {trained_by} "
+                         f"(launched: {ranks.count}), or start a new run_dir")
+    cfg.num_processes = ranks.count
+    if ranks.main and not (state and state.get("done")):
         save_config(cfg, run / "config.yaml")
     return state
 
@@ -578,7 +604,7 @@ class TrainData:
     feature_s: float  # seconds spent on the target features (0 when cached)
 
 
-def load_data(cfg: TrainConfig, target: TargetModel) -> TrainData:
+def load_data(cfg: TrainConfig, target: TargetModel, quiet: bool = False) -> TrainData:
     """The prepared rows of `data.prepared` and `data.extra`, their target features (cached beside the rows), the
     held-out rows and prompts; training rows that repeat a held-out row are left out."""
     sources = [cfg.data.prepared, *cfg.data.extra]
@@ -599,7 +625,7 @@ def load_data(cfg: TrainConfig, target: TargetModel) -> TrainData:
         val_feats = cached_features(target, val_rows, Path(cfg.data.prepared), "val", layers, dtype)
     feature_s = time.perf_counter() - t0
     rows, feats, leaked = drop_val_rows(rows, feats, val_rows, cfg.data.val_overlap)
-    if leaked:
+    if leaked and not quiet:
         rule = "identical" if cfg.data.val_overlap > 1 else \
             f"identical, or holding >= {cfg.data.val_overlap:.0%} of its reply's 8-grams"
         print(f"left out {leaked} training rows that repeat a validation row of {cfg.data.prepared} ({rule})")
@@ -648,23 +674,31 @@ class Schedule:
         return self.lr * warm * 0.5 * (1 + math.cos(math.pi * self.progress(state)))
 
 
-def fit(cfg: TrainConfig, head, opt, params, accelerator, target, data: TrainData, run: Path,
-        state: dict | None) -> dict:
+def fit(cfg: TrainConfig, head, opt, params, target, data: TrainData, run: Path, state: dict | None,
+        ranks: Ranks = Ranks()) -> dict:
     """The training steps from `state` (None: the start) to the end of the budget, with checkpoints every
-    `save_every_minutes` and validation every `eval.every_minutes` and at the end; returns the final state."""
+    `save_every_minutes` and validation every `eval.every_minutes` and at the end; returns the final state. A step
+    takes `optim.accumulate` micro-batches on each process (`train.parallel`)."""
     state = state or {"step": 0, "epoch": 0, "batch_in_epoch": 0, "train_s": 0.0, "best_tau": -1.0,
-                      "tokens": 0, "done": False}
+                      "tokens": 0, "done": False, "num_processes": ranks.count}
     lengths = [r[0].shape[0] for r in data.rows]
-    steps_per_epoch = len(make_batches(lengths, cfg.optim.batch_tokens, torch.Generator()))
+    per_step = cfg.optim.accumulate * ranks.count  # micro-batches an optimizer step takes, over every process
+    steps_per_epoch = len(make_batches(lengths, cfg.optim.batch_tokens, torch.Generator())) // per_step
+    if steps_per_epoch < 1:
+        raise TrainError(f"{len(data.rows)} training rows make fewer batches of optim.batch_tokens "
+                         f"{cfg.optim.batch_tokens} than a step takes ({cfg.optim.accumulate} x {ranks.count} "
+                         "processes): lower them, or prepare more rows")
     schedule = Schedule(cfg.optim.lr, cfg.optim.warmup_steps, cfg.budget.minutes * 60, cfg.budget.max_steps or (
         int(cfg.budget.epochs * steps_per_epoch) if cfg.budget.epochs else 0))
-    log = RunLog(run, cfg.tensorboard, resume_step=state["step"], resume_bytes=state.get("log_bytes"))
-    print(f"{len(data.rows)} train rows ({sum(lengths)} tokens), {len(data.val_rows)} val rows, {steps_per_epoch} "
-          f"steps/epoch; target features in {data.feature_s:.1f}s"
-          + (f"; resuming at step {state['step']}" if state["step"] else ""))
+    log = RunLog(run, cfg.tensorboard, resume_step=state["step"], resume_bytes=state.get("log_bytes"),
+                 writer=ranks.main)
+    say(ranks, f"{len(data.rows)} train rows ({sum(lengths)} tokens), {len(data.val_rows)} val rows, "
+               f"{steps_per_epoch} steps/epoch of {cfg.optim.accumulate} x {ranks.count} batches "
+               f"({ranks.count} process{'es' if ranks.count > 1 else ''}); target features in {data.feature_s:.1f}s"
+               + (f"; resuming at step {state['step']}" if state["step"] else ""))
     bar = tqdm(total=int(schedule.limit_s) if schedule.limit_s else schedule.max_steps,
                initial=int(state["train_s"]) if schedule.limit_s else state["step"],
-               unit="s" if schedule.limit_s else "step", desc="train", dynamic_ncols=True,
+               unit="s" if schedule.limit_s else "step", desc="train", dynamic_ncols=True, disable=not ranks.main,
                bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt}{unit} [{elapsed}<{remaining}{postfix}]")
     last_save = last_val = state["train_s"]
     tok_window, t_window = 0, time.perf_counter()
@@ -672,15 +706,14 @@ def fit(cfg: TrainConfig, head, opt, params, accelerator, target, data: TrainDat
         while schedule.progress(state) < 1.0:
             batches = make_batches(lengths, cfg.optim.batch_tokens,
                                    torch.Generator().manual_seed(cfg.seed * 7919 + state["epoch"]))
-            for b in range(state["batch_in_epoch"], len(batches)):
-                t0 = time.perf_counter()
-                m, tokens = train_step(cfg, head, opt, params, accelerator, target, data, batches[b],
-                                       schedule.lr_at(state), state, run)
+            for b in range(state["batch_in_epoch"], steps_per_epoch):
+                micro = [batches[b * per_step + a * ranks.count + ranks.index] for a in range(cfg.optim.accumulate)]
+                m = train_step(cfg, head, opt, params, target, data, micro, schedule.lr_at(state), state, run, ranks)
                 state["step"] += 1
                 state["batch_in_epoch"] = b + 1
-                state["train_s"] += time.perf_counter() - t0
-                state["tokens"] += tokens
-                tok_window += tokens
+                state["train_s"] += m.pop("seconds")
+                state["tokens"] += m["tokens_all"]
+                tok_window += m.pop("tokens_all")
                 bar.update(int(state["train_s"]) - bar.n if schedule.limit_s else 1)  # whole seconds
                 if state["step"] % cfg.log_every == 0:
                     tps = tok_window / (time.perf_counter() - t_window)
@@ -690,60 +723,88 @@ def fit(cfg: TrainConfig, head, opt, params, accelerator, target, data: TrainDat
                 if schedule.progress(state) >= 1.0:
                     break
                 if cfg.eval.every_minutes > 0 and state["train_s"] - last_val >= cfg.eval.every_minutes * 60:
-                    checkpoint_and_validate(cfg, head, opt, target, data, run, state, log, final=False)
+                    checkpoint_and_validate(cfg, head, opt, target, data, run, state, log, ranks, final=False)
                     last_val = last_save = state["train_s"]
                 elif state["train_s"] - last_save >= cfg.save_every_minutes * 60:
                     state["log_bytes"] = log.mark()
-                    save_checkpoint(run, head, opt, state)
+                    if ranks.main:
+                        save_checkpoint(run, head, opt, state)
+                    ranks.barrier()
                     last_save = state["train_s"]
             else:
                 state["epoch"] += 1
                 state["batch_in_epoch"] = 0
         bar.close()
-        checkpoint_and_validate(cfg, head, opt, target, data, run, state, log, final=True)
+        checkpoint_and_validate(cfg, head, opt, target, data, run, state, log, ranks, final=True)
     finally:
         bar.close()
         log.close()
     return state
 
 
-def train_step(cfg: TrainConfig, head, opt, params, accelerator, target, data: TrainData, batch: list[int],
-               lr: float, state: dict, run: Path) -> tuple[dict, int]:
-    """One optimizer step on the rows `batch`; returns its metrics and token count. A loss or gradient norm that is
-    not finite stops training with a TrainError naming the last good checkpoint (before the weights change)."""
-    dev, dtype = accelerator.device, next(head.parameters()).dtype
-    ids, mask, f = collate(data.rows, data.feats, batch, target, data.layers, cfg.loss.positions == "all")
+def train_step(cfg: TrainConfig, head, opt, params, target, data: TrainData, micro: list[list[int]], lr: float,
+               state: dict, run: Path, ranks: Ranks = Ranks()) -> dict:
+    """One optimizer step on this process's micro-batches `micro` (rows of each): their gradients averaged, and with
+    several processes averaged over them too (`train.parallel.average_gradients`, which also sums the metrics and
+    seconds, so every process sees the same). Returns the step's metrics (loss and accuracy: the means over the
+    micro-batches), `tokens_all` (every process's) and `seconds` (their mean). A loss or gradient norm that is not
+    finite on any process stops training on all of them with a TrainError naming the last good checkpoint, before
+    the weights change."""
+    t0 = time.perf_counter()
+    p0 = next(head.parameters())
+    dev, dtype, A = p0.device, p0.dtype, len(micro)
     for g in opt.param_groups:
         g["lr"] = lr
-    gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + state["step"])  # the step's noise alone: exact resume
-    with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=cfg.mixed_precision == "bf16"):
-        loss, m = head_loss(head, ids.to(dev), mask.to(dev), f.to(dev, dtype), cfg, gen)
-    where = f"at step {state['step']} (batch {state['batch_in_epoch']} of epoch {state['epoch']})"
-    if not math.isfinite(m["loss"]):
-        raise TrainError(f"loss is {m['loss']} {where}: training stopped; {last_good(run, state['step'])}")
     opt.zero_grad(set_to_none=True)
-    accelerator.backward(loss)
+    sums, extra = [0.0, 0.0, 0.0, 0.0], {}  # loss, acc, tokens, non-finite losses; the last batch's other metrics
+    for a, batch in enumerate(micro):
+        ids, mask, f = collate(data.rows, data.feats, batch, target, data.layers, cfg.loss.positions == "all")
+        # each micro-batch's noise depends on the step and its place in the step alone: exact resume, and the same
+        # draws whatever the split between processes and accumulation
+        gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + state["step"] * A * ranks.count
+                                            + a * ranks.count + ranks.index)
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=cfg.mixed_precision == "bf16"):
+            loss, m = head_loss(head, ids.to(dev), mask.to(dev), f.to(dev, dtype), cfg, gen)
+        if not math.isfinite(m["loss"]):
+            sums[3] += 1
+            continue
+        (loss / A if A > 1 else loss).backward()
+        sums[0], sums[1], sums[2] = sums[0] + m["loss"], sums[1] + m["acc"], sums[2] + ids.numel()
+        extra = {k: v for k, v in m.items() if k not in ("loss", "acc")}
+    seconds = time.perf_counter() - t0
+    total = average_gradients(params, [*sums, seconds], ranks)
+    where = f"at step {state['step']} (batch {state['batch_in_epoch']} of epoch {state['epoch']})"
+    if total[3]:
+        raise TrainError(f"loss is nan at step {state['step']} (batch {state['batch_in_epoch']} of epoch "
+                         f"{state['epoch']}): training stopped; {last_good(run, state['step'])}")
     if cfg.optim.grad_clip:
-        norm = accelerator.clip_grad_norm_(params, cfg.optim.grad_clip)  # None under DeepSpeed
-        if norm is not None and not math.isfinite(float(norm)):  # before the step: the weights stay finite
+        norm = torch.nn.utils.clip_grad_norm_(params, cfg.optim.grad_clip)
+        if not math.isfinite(float(norm)):  # before the step: the weights stay finite
             raise TrainError(f"gradient norm is {float(norm)} {where}: training stopped; "
                              f"{last_good(run, state['step'])}")
     opt.step()
-    return m, ids.numel()
+    n = A * ranks.count
+    return {"loss": total[0] / n, "acc": total[1] / n, **extra, "tokens_all": int(total[2]),
+            "seconds": total[4] / ranks.count}
 
 
 def checkpoint_and_validate(cfg: TrainConfig, head, opt, target, data: TrainData, run: Path, state: dict,
-                            log: RunLog, final: bool) -> None:
-    """Validate; export the head to `out` when its simulated tau is the best so far; then the checkpoint."""
-    v = validate(head, target, data.val_rows, data.val_feats, data.prompts, cfg)
+                            log: RunLog, ranks: Ranks, final: bool) -> None:
+    """Validate (every process its share); the main process exports the head to `out` when its simulated tau is the
+    best so far, then writes the checkpoint."""
+    v = validate(head, target, data.val_rows, data.val_feats, data.prompts, cfg, ranks)
     score = v["val_sim_tau"]  # every held-out row, so far less noisy than decoding a few prompts
-    if score > state["best_tau"]:
+    best = score > state["best_tau"]
+    if best:
         state["best_tau"] = score
-        save_head(head, Path(cfg.out), extra={"step": state["step"], **v})
     state["done"] = final
     rec = {"step": state["step"], "train_min": round(state["train_s"] / 60, 2), **v, "best": state["best_tau"]}
     log.write(rec, "val")
     state["log_bytes"] = log.mark()
-    save_checkpoint(run, head, opt, state)
-    tqdm.write("validation: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
-                                          for k, v in rec.items()))
+    if ranks.main:
+        if best:
+            save_head(head, Path(cfg.out), extra={"step": state["step"], **v})
+        save_checkpoint(run, head, opt, state)
+        tqdm.write("validation: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                                              for k, v in rec.items()))
+    ranks.barrier()

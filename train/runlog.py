@@ -12,10 +12,15 @@ from pathlib import Path
 
 
 class RunLog:
-    def __init__(self, run: Path, tensorboard: bool, resume_step: int = 0, resume_bytes: int | None = None):
+    def __init__(self, run: Path, tensorboard: bool, resume_step: int = 0, resume_bytes: int | None = None,
+                 writer: bool = True):
         """`resume_step`: a resumed run's step; TensorBoard drops what an earlier run logged after it.
         `resume_bytes`: the log's length at that checkpoint (`mark`); lines a killed run wrote after it are cut, so
-        the resumed run writes each step once."""
+        the resumed run writes each step once. `writer` False (every process but the main one): nothing is
+        written."""
+        self.file = self.tb = None
+        if not writer:
+            return
         self.file = open(run / "log.jsonl", "a")
         if resume_bytes is not None and self.file.tell() > resume_bytes:
             self.file.truncate(resume_bytes)
@@ -32,6 +37,8 @@ class RunLog:
     def write(self, rec: dict, group: str) -> None:
         """`rec` holds `step`; its numbers (and lists of numbers, one scalar per index) go to TensorBoard under
         `group/` (train or val). Validation records are flushed at once; training steps buffer (the hot loop)."""
+        if self.file is None:
+            return
         self.file.write(json.dumps(rec) + "\n")
         if self.tb is not None:
             for k, v in rec.items():
@@ -48,11 +55,14 @@ class RunLog:
     def mark(self) -> int:
         """Flush the lines written so far (to the disk too) and return the log's length, for a checkpoint to
         record."""
+        if self.file is None:
+            return 0
         self.file.flush()
         os.fsync(self.file.fileno())
         return self.file.tell()
 
     def close(self) -> None:
-        self.file.close()
+        if self.file is not None:
+            self.file.close()
         if self.tb is not None:
             self.tb.close()
