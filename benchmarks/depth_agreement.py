@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from eagle import EagleHead, load_target
-from eagle.features import features_path
+from eagle.features import features_dir
 from infer import SpeculativeDecoder
 from infer.evaluate import load_prompts
 from train.config import TrainConfig
@@ -74,7 +74,7 @@ def main() -> None:
     rows = load_rows(cfg, "val", args.prepared)
     # a feature file is matched on every row's length: without one, only the rows measured are passed (and
     # nothing is cached), so a few rows of a large held-out file cost a few rows' pass
-    if args.rows < len(rows) and not features_path(args.prepared, "val", target, layers).exists():
+    if args.rows < len(rows) and not features_dir(args.prepared, "val", target, layers).exists():
         rows = rows[: args.rows]
         feats = target_features(target, rows, "target features (val)", layers)
     else:

@@ -8,7 +8,7 @@ Steps: read and normalize conversations (sources.py), optionally rewrite the rep
 (regenerate.py), render each with the target's chat template and mask the assistant tokens (render.py), split
 off a validation set, and write into `out/`. A row regenerated in one turn is not re-rendered: it is the prompt
 ids plus the reply ids exactly as the target read and wrote them, and the features generation computed are
-kept with it (`save_features`).
+kept with it (`eagle.features.write_features`).
 
     train.jsonl, val.jsonl        one {"input_ids": [...], "loss_mask": [...]} per line
     val_conversations.jsonl       the messages of each validation row ({"messages": [...]}), for evaluation prompts
@@ -37,7 +37,7 @@ from data_prep.regenerate import regenerate_with_stats
 from data_prep.render import Example, SkipRow, check_chat_template, render_example
 from data_prep.sources import DataError, first_turns, load_conversations
 from eagle.configio import save_config
-from eagle.features import features_path, save_features
+from eagle.features import features_dir, write_features
 
 
 @dataclass
@@ -230,7 +230,7 @@ def prepare(cfg: PrepConfig, target=None) -> PrepSummary:
         size = sum(f.numel() * f.element_size() for f in feats)
         print(f"target features of the regenerated rows: {size / 2**20:,.1f} MiB, to be written beside them")
         for split, idx in (("train", train_idx), ("val", val_idx)):
-            save_features(features_path(out, split, target), [feats[i] for i in idx])
+            write_features(features_dir(out, split, target), [feats[i] for i in idx])
 
     tokens = sum(len(ex.input_ids) for ex in examples)
     masked = sum(sum(ex.loss_mask) for ex in examples)

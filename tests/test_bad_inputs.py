@@ -215,13 +215,15 @@ def test_a_target_path_that_does_not_exist(tmp_path, capsys):
 
 
 def test_a_corrupt_feature_cache_is_computed_again(files, target, tmp_path, capsys):
-    from eagle.features import features_path, load_features, save_features
+    from eagle.features import FeatureStore, features_dir, write_features
 
-    path = features_path(tmp_path, "train", target)
-    save_features(path, [torch.ones(3, 32), torch.ones(2, 32)])
-    path.write_bytes(path.read_bytes()[:-7])  # cut short
-    assert load_features(path, [3, 2]) is None
-    assert f"note: feature cache '{path}' is not a readable safetensors file" in capsys.readouterr().out
+    folder = features_dir(tmp_path, "train", target)
+    write_features(folder, [torch.ones(3, 32), torch.ones(2, 32)])
+    assert FeatureStore.open(folder, [3, 2]) is not None
+    shard = folder / "shard-00000.safetensors"
+    shard.write_bytes(b"\0" * 7)  # cut short
+    assert FeatureStore.open(folder, [3, 2]) is None
+    assert f"note: feature shard '{shard}' is not a readable safetensors file" in capsys.readouterr().out
 
 
 # -- writing heads: nothing but a head is replaced ----------------------------------------------------------------

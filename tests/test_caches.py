@@ -11,7 +11,7 @@ import pytest
 import torch
 from tiny import tiny_target
 
-from eagle.features import features_path
+from eagle.features import features_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 PROBE = "from cpu_backend import kernels; print('available', kernels.available())"
@@ -69,5 +69,5 @@ def test_cached_features_are_keyed_by_the_targets_weights():
     with torch.no_grad():  # a fine-tune of the same base: the same tokenizer and sizes, other weights
         tuned.model.model.layers[1].mlp.up_proj.weight.add_(1e-3)
     assert base.fingerprint == tuned.fingerprint
-    assert features_path("d", "train", base) == features_path("d", "train", same)
-    assert features_path("d", "train", base) != features_path("d", "train", tuned)
+    assert features_dir("d", "train", base) == features_dir("d", "train", same)
+    assert features_dir("d", "train", base) != features_dir("d", "train", tuned)

@@ -519,7 +519,7 @@ def test_prepare_single_turn_rows_are_the_generated_ids_with_their_features(tiny
     under the name training looks for, so training loads them instead of running the target again."""
     import torch
 
-    from eagle.features import features_path, load_features
+    from eagle.features import FeatureStore, FeatureWriter, features_dir
     from train.loop import target_features
 
     data = write_jsonl(tmp_path / "prompts.jsonl", [{"turns": [f"Question {i}?"]} for i in range(8)])
@@ -529,11 +529,14 @@ def test_prepare_single_turn_rows_are_the_generated_ids_with_their_features(tiny
     for split in ("train", "val"):
         rows = load_examples(tmp_path / f"out/{split}.jsonl")
         assert rows and all(ex.loss_mask[-1] == 1 and ex.loss_mask[0] == 0 for ex in rows)
-        feats = load_features(features_path(tmp_path / "out", split, tiny_target), [len(ex.input_ids) for ex in rows])
-        assert feats is not None
-        again = target_features(tiny_target, [(torch.tensor(ex.input_ids), None) for ex in rows], "check")
-        for f, g in zip(feats, again):
-            torch.testing.assert_close(f[:-1], g[:-1].float(), rtol=1e-5, atol=1e-5)
+        lengths = [len(ex.input_ids) for ex in rows]
+        feats = FeatureStore.open(features_dir(tmp_path / "out", split, tiny_target), lengths)
+        assert feats is not None and len(feats) == len(rows)
+        with FeatureWriter(tmp_path / "again" / split, lengths, tiny_target.hidden_size, torch.float32) as w:
+            target_features(tiny_target, [(torch.tensor(ex.input_ids), None) for ex in rows], w.missing(), w, "check")
+        again = FeatureStore.open(tmp_path / "again" / split, lengths)
+        for i in range(len(rows)):
+            torch.testing.assert_close(feats[i][:-1], again[i][:-1].float(), rtol=1e-5, atol=1e-5)
     assert s.kept == 8
 
 

@@ -51,7 +51,7 @@ def test_training_lowers_the_loss_and_exports_a_loadable_head(tmp_path, target, 
     head = EagleHead.from_pretrained(tmp_path / "head").attach(target)
     assert head.config.draft_vocab_size == 40
     assert (tmp_path / "run/config.yaml").exists()
-    assert "MiB, to be written to" in capsys.readouterr().out  # the feature cache's size, said before writing it
+    assert "MiB in " in capsys.readouterr().out  # the feature cache's size, said before writing it
     if importlib.util.find_spec("tensorboard"):
         from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -148,33 +148,25 @@ def test_missing_data_and_missing_budget_are_one_line_errors(tmp_path, target):
 
 
 def test_16_bit_feature_cache(tmp_path, target, monkeypatch):
-    """data.feature_dtype=bfloat16 keeps the cached features in 16 bits, as views of one flat tensor that is saved
-    without a copy; it is made from a float32 cache of the same rows when there is one, and training (float32
-    batches) still learns from it."""
+    """data.feature_dtype=bfloat16 keeps the cached features in 16 bits; the store is made from a float32 store of
+    the same rows when there is one (not computed again), and training (float32 batches) still learns from it."""
     import train.loop as loop
-    from eagle.features import features_path, load_features, save_features
-    from train.loop import load_rows, target_features
+    from eagle.features import FeatureStore, features_dir
+    from train.loop import load_rows
 
     write_prepared(tmp_path / "data", target)
     layers = [0, 1, 2]
     rows = load_rows(config(tmp_path), "train", str(tmp_path / "data"))
-    feats = target_features(target, rows, "check", layers, torch.bfloat16)
-    assert [f.dtype for f in feats] == [torch.bfloat16] * len(rows)
-    assert len({f.untyped_storage().data_ptr() for f in feats}) == 1  # one flat tensor
-    save_features(tmp_path / "f.safetensors", feats)
-    again = load_features(tmp_path / "f.safetensors", [f.shape[0] for f in feats])
-    assert all(torch.equal(f, g) for f, g in zip(feats, again))
-
+    lengths = [len(r[0]) for r in rows]
     eagle3 = ("model.head_type=eagle3", "model.feature_layers=[0,1,2]", "loss.steps=2", "model.draft_vocab=40")
     train(config(tmp_path, "budget.max_steps=1", "run_dir=" + str(tmp_path / "a"), *eagle3), target=target)
-    f32 = load_features(features_path(tmp_path / "data", "train", target, layers), [len(r[0]) for r in rows])
-    monkeypatch.setattr(loop, "target_features", None)  # the float32 cache is converted, not computed again
+    f32 = FeatureStore.open(features_dir(tmp_path / "data", "train", target, layers), lengths)
+    monkeypatch.setattr(loop, "target_features", None)  # the float32 store is converted, not computed again
     train(config(tmp_path, "budget.max_steps=40", "data.feature_dtype=bfloat16", "optim.lr=1e-2", *eagle3),
           target=target)
-    bf16 = load_features(features_path(tmp_path / "data", "train", target, layers, torch.bfloat16),
-                         [len(r[0]) for r in rows])
-    assert all(torch.equal(f.to(torch.bfloat16), g) for f, g in zip(f32, bf16))
-    assert all(torch.equal(f.to(torch.bfloat16), g) for f, g in zip(f32, feats))
+    bf16 = FeatureStore.open(features_dir(tmp_path / "data", "train", target, layers, torch.bfloat16), lengths)
+    assert bf16.dtype == torch.bfloat16 and bf16[0].dtype == torch.bfloat16 and bf16[0].shape == (lengths[0], 4 * 32)
+    assert all(torch.equal(f32[i].to(torch.bfloat16), bf16[i]) for i in range(len(rows)))
     acc = [r["acc"] for r in map(json.loads, (tmp_path / "run/log.jsonl").read_text().splitlines()) if "acc" in r]
     assert sum(acc[-5:]) / 5 > sum(acc[:5]) / 5 + 0.2
 

@@ -33,7 +33,7 @@ import cpu_backend
 from data_prep import draft_vocabulary, load_examples
 from eagle import EagleHead, HeadCache, HeadConfig, TargetModel, load_target
 from eagle.checkpoint import check_head_dir, fsync_path, recover_dir, replace_dir, save_head
-from eagle.features import DTYPES as FEATURE_DTYPES, features_path, flat_rows, load_features, save_features
+from eagle.features import DTYPES as FEATURE_DTYPES, FeatureStore, FeatureWriter, check_room, features_dir
 from eagle.configio import save_config
 from eagle.device import resolve_device, resolve_dtype
 from eagle.head import eagle3_layers, load_head, make_head
@@ -98,7 +98,8 @@ def drop_val_rows(rows, feats, val_rows, max_shared: float = 0.5, n: int = 8):
     keep = [i for i, (ids, mask) in enumerate(rows) if not repeats(ids, mask)]
     if len(keep) == len(rows):
         return rows, feats, 0
-    return [rows[i] for i in keep], None if feats is None else [feats[i] for i in keep], len(rows) - len(keep)
+    kept = None if feats is None else feats.take(keep) if isinstance(feats, FeatureStore) else [feats[i] for i in keep]
+    return [rows[i] for i in keep], kept, len(rows) - len(keep)
 
 
 def make_batches(lengths: list[int], batch_tokens: int, gen: torch.Generator) -> list[list[int]]:
@@ -136,24 +137,34 @@ def collate(rows, feats, idx: list[int], target: TargetModel | None = None, laye
 
 
 def cached_features(target: TargetModel, rows, prepared: Path, split: str, layers: list[int] | None = None,
-                    dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
-    """Target features of every row, kept in `dtype` next to the prepared rows (eagle.features) so later runs on
-    the same data skip the pass; prep leaves float32 ones there when regeneration computed them already."""
-    path = features_path(prepared, split, target, layers, dtype)
+                    dtype: torch.dtype = torch.float32) -> FeatureStore:
+    """Target features of every row, kept in `dtype` in a store beside the prepared rows (eagle.features: shards
+    written as they are computed, read a row at a time) so later runs on the same data skip the pass; prep leaves
+    float32 ones there when regeneration computed them already. Its size is printed, and checked against the free
+    disk, before anything is written; a pass killed midway resumes after its last complete shard."""
+    folder = features_dir(prepared, split, target, layers, dtype)
     lengths = [r[0].shape[0] for r in rows]
-    feats = load_features(path, lengths)
-    if feats is None and dtype != torch.float32:  # a float32 file of the same rows, converted
-        feats = load_features(features_path(prepared, split, target, layers), lengths, dtype)
-        if feats is not None:
-            save_features(path, feats)
-    if feats is None:
+    store = FeatureStore.open(folder, lengths)
+    if store is None and dtype != torch.float32:  # a float32 store of the same rows, converted
+        wide = FeatureStore.open(features_dir(prepared, split, target, layers), lengths)
+        if wide is not None:
+            check_room(folder, sum(lengths) * wide.width * dtype.itemsize, f"target features ({split})")
+            with FeatureWriter(folder, lengths, wide.width, dtype) as w:
+                for i in w.missing():
+                    w.add(i, wide[i])
+            store = FeatureStore.open(folder, lengths)
+    if store is None:
         width = target.hidden_size * (1 + len(layers or []))
-        size = sum(lengths) * width * dtype.itemsize
-        print(f"target features ({split}): {sum(lengths):,} tokens x {width} {str(dtype).removeprefix('torch.')} "
-              f"= {size / 2**20:,.1f} MiB, to be written to {path}")
-        feats = target_features(target, rows, f"target features ({split})", layers, dtype)
-        save_features(path, feats)
-    return feats
+        with FeatureWriter(folder, lengths, width, dtype) as w:
+            todo = w.missing()
+            size = sum(lengths[i] for i in todo) * width * dtype.itemsize
+            print(f"target features ({split}): {sum(lengths):,} tokens x {width} {str(dtype).removeprefix('torch.')} "
+                  f"= {sum(lengths) * width * dtype.itemsize / 2**20:,.1f} MiB in {folder}"
+                  + (f" ({len(lengths) - len(todo)} rows there already)" if len(todo) < len(lengths) else ""))
+            check_room(folder, size, f"target features ({split})")
+            target_features(target, rows, todo, w, f"target features ({split})", layers)
+        store = FeatureStore.open(folder, lengths)
+    return store
 
 
 @torch.inference_mode()
@@ -164,13 +175,12 @@ def batch_features(target: TargetModel, ids: torch.Tensor, layers: list[int] | N
 
 
 @torch.inference_mode()
-def target_features(target: TargetModel, rows, desc: str, layers: list[int] | None = None,
-                    dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
-    """Run the target once over every row (batched by length) and keep its post-norm last hidden states
-    (followed by the `layers` an EAGLE-3 head reads) in `dtype`, as views of one flat tensor (`flat_rows`)."""
-    out: list[torch.Tensor] = []
-    order = sorted(range(len(rows)), key=lambda i: rows[i][0].shape[0])
-    bar = tqdm(total=sum(r[0].shape[0] for r in rows), desc=desc, unit="tok", dynamic_ncols=True)
+def target_features(target: TargetModel, rows, todo: list[int], writer: FeatureWriter, desc: str,
+                    layers: list[int] | None = None) -> None:
+    """Run the target once over the rows `todo` (batched by length) and hand their post-norm last hidden states
+    (followed by the `layers` an EAGLE-3 head reads) to `writer`, which writes them shard by shard."""
+    order = sorted(todo, key=lambda i: rows[i][0].shape[0])
+    bar = tqdm(total=sum(rows[i][0].shape[0] for i in todo), desc=desc, unit="tok", dynamic_ncols=True)
     i = 0
     while i < len(order):
         T = rows[order[i]][0].shape[0]
@@ -181,13 +191,11 @@ def target_features(target: TargetModel, rows, desc: str, layers: list[int] | No
         for b, k in enumerate(idx):
             ids[b, : rows[k][0].shape[0]] = rows[k][0]  # right padding: causal attention keeps rows intact
         feats = batch_features(target, ids, layers)
-        out = out or flat_rows([r[0].shape[0] for r in rows], feats.shape[-1], dtype)
         for b, k in enumerate(idx):
-            out[k].copy_(feats[b, : rows[k][0].shape[0]])
+            writer.add(k, feats[b, : rows[k][0].shape[0]])
         bar.update(sum(rows[k][0].shape[0] for k in idx))
         i = j
     bar.close()
-    return out
 
 
 # -- loss ---------------------------------------------------------------------------------------------------------
@@ -620,8 +628,8 @@ def load_data(cfg: TrainConfig, target: TargetModel, quiet: bool = False) -> Tra
     feats = val_feats = None
     if not cfg.data.online:
         dtype = getattr(torch, cfg.data.feature_dtype)
-        feats = [f for src, part in zip(sources, parts)
-                 for f in cached_features(target, part, Path(src), "train", layers, dtype)]
+        feats = FeatureStore.concat([cached_features(target, part, Path(src), "train", layers, dtype)
+                                     for src, part in zip(sources, parts)])
         val_feats = cached_features(target, val_rows, Path(cfg.data.prepared), "val", layers, dtype)
     feature_s = time.perf_counter() - t0
     rows, feats, leaked = drop_val_rows(rows, feats, val_rows, cfg.data.val_overlap)
