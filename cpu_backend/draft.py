@@ -219,10 +219,7 @@ class GreedySteps:
 
     def _grow_rope(self, positions: int) -> None:
         """The rotary tables (`head.rope_cos_sin`'s rows, [>= positions, head_dim]) grown to `positions`."""
-        table = head_module._ROPE_TABLES.get(self.rope_key)
-        if table is None or table[0].shape[0] < positions:
-            head_module.rope_cos_sin(torch.tensor([[positions - 1]]), *self.rope_key[:3])
-            table = head_module._ROPE_TABLES[self.rope_key]
+        table = head_module.rope_table(*self.rope_key[:3], "cpu", positions)
         self.rope_tables = table  # held: the addresses below point into them
         self.rope = (table[0].shape[0], table[0].data_ptr(), table[1].data_ptr())
 

@@ -63,6 +63,16 @@ def _write_whole(path: Path, data: bytes) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+    try:  # the rename itself on the disk, so an index never names a shard a power cut took back
+        d = os.open(path.parent, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(d)
+    except OSError:
+        pass
+    finally:
+        os.close(d)
 
 
 def _read_index(folder: Path) -> dict | None:
@@ -85,7 +95,9 @@ class FeatureWriter:
         old = _read_index(self.folder)
         same = old is not None and old.get("lengths") == self.lengths and old.get("width") == width and \
             old.get("dtype") == str(dtype)
-        self.shards: list[dict] = old["shards"] if same else []
+        # a named shard that is cut short or unreadable (a disk error, a copy that stopped) is written again
+        self.shards: list[dict] = [s for s in old["shards"] if _data_offset(self.folder / s["file"]) is not None] \
+            if same else []
         named = {s["file"] for s in self.shards}
         for f in self.folder.iterdir():  # a shard a killed pass left before its index named it, or a stale store's
             if f.name not in named and f.name != "index.json" and f.name.startswith(("shard-", "index.json.tmp")):
@@ -112,7 +124,9 @@ class FeatureWriter:
             return
         from safetensors.torch import save
 
-        name = f"shard-{len(self.shards):05d}.safetensors"
+        taken = {s["file"] for s in self.shards}  # (a shard dropped as unreadable leaves a gap in the numbers)
+        name = next(f"shard-{n:05d}.safetensors" for n in range(len(taken) + 1)
+                    if f"shard-{n:05d}.safetensors" not in taken)
         flat = torch.cat([f for _, f in self.pending])
         _write_whole(self.folder / name, save({"features": flat}))
         self.shards.append({"file": name, "rows": [i for i, _ in self.pending]})
@@ -184,12 +198,15 @@ class FeatureStore:
 
 def _data_offset(path: Path) -> int | None:
     """Where the `features` tensor's bytes start in a shard (after safetensors' 8-byte length and JSON header), or
-    None for a file that is not one."""
+    None for a file that is not one or whose size is not the header's (cut short, or grown)."""
     try:
         with open(path, "rb") as f:
             n = int.from_bytes(f.read(8), "little")
             header = json.loads(f.read(n))
-        return 8 + n + header["features"]["data_offsets"][0]
+        start, end = header["features"]["data_offsets"]
+        if os.path.getsize(path) != 8 + n + end:
+            return None
+        return 8 + n + start
     except (OSError, ValueError, KeyError, TypeError):
         return None
 

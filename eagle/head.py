@@ -45,26 +45,39 @@ class RMSNorm(nn.Module):
 _ROPE_TABLES: dict = {}  # (head_dim, theta, dtype, device) -> cos, sin [positions, head_dim]
 
 
-def rope_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin [B, 1, T, D] of the rotary embedding at position_ids [B, T], rows of a table of every position
-    up to the largest asked so far (the same values as computing them on the spot: each is computed alone, in
-    float64, then cast), so a drafting step only gathers two rows."""
-    key = (head_dim, theta, dtype, position_ids.device)
-    need = int(position_ids.max()) + 1 if position_ids.numel() else 1
+def rope_table(head_dim: int, theta: float, dtype, device, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [>= positions, head_dim] of the rotary embedding at every position 0.. (each value computed
+    alone in float64, then cast), one table per (head_dim, theta, dtype, device), grown by powers of two and kept:
+    the CPU backend's draft steps read its rows by address."""
+    key = (head_dim, theta, dtype, torch.device(device))
     table = _ROPE_TABLES.get(key)
-    if table is None or table[0].shape[0] < need:
-        pos = torch.arange(max(4096, 1 << math.ceil(math.log2(need))), device=position_ids.device, dtype=torch.float64)
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=position_ids.device, dtype=torch.float64)
-                                    / head_dim))
+    if table is None or table[0].shape[0] < positions:
+        pos = torch.arange(max(4096, 1 << math.ceil(math.log2(max(positions, 1)))), device=device,
+                           dtype=torch.float64)
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float64) / head_dim))
         freqs = pos[:, None] * inv_freq  # [positions, D/2]
         emb = torch.cat([freqs, freqs], dim=-1)
         table = _ROPE_TABLES[key] = (emb.cos().to(dtype), emb.sin().to(dtype))
-    return table[0][position_ids][:, None], table[1][position_ids][:, None]  # [B, 1, T, D]
+    return table
+
+
+def rope_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [B, 1, T, D] of the rotary embedding at position_ids [B, T]: rows of `rope_table` (the same
+    values as computing them on the spot), so a drafting step only gathers two rows."""
+    need = int(position_ids.max()) + 1 if position_ids.numel() else 1
+    cos, sin = rope_table(head_dim, theta, dtype, position_ids.device, need)
+    return cos[position_ids][:, None], sin[position_ids][:, None]  # [B, 1, T, D]
 
 
 def _rotate_half(x):
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat([-x2, x1], dim=-1)
+
+
+def draft_rows(weight: torch.Tensor, d2t: torch.Tensor) -> torch.Tensor:
+    """The rows `d2t` of the target's lm_head `weight`, on d2t's device (the head's; the target's lm_head may sit on
+    another device when it is spread over several)."""
+    return weight[d2t.to(weight.device)].to(d2t.device).contiguous()
 
 
 class HeadCache:
@@ -216,7 +229,8 @@ class EagleHead(nn.Module):
     def _gather_draft_rows(self) -> None:
         if self.lm_head is not None:
             w = self.lm_head.weight
-            self.draft_lm_weight = (w[self.d2t].contiguous() if self.config.draft_vocab_size else w).detach()
+            rows = draft_rows(w, self.d2t) if self.config.draft_vocab_size else w.to(self.fc.weight.device)
+            self.draft_lm_weight = rows.detach()
 
     def init_from_target_layer(self, target, layer: int = -1) -> None:
         """Start the decoder layer from one of the target's layers (same shapes), a warm start for training."""
@@ -239,7 +253,9 @@ class EagleHead(nn.Module):
 
     # -- the draft-model contract --------------------------------------------------------------------------
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.embed_tokens(input_ids)
+        # a target spread over devices (device_map) may keep its embedding elsewhere than the head
+        where = self.embed_tokens.weight.device
+        return self.embed_tokens(input_ids.to(where)).to(input_ids.device)
 
     def forward(self, features: torch.Tensor, input_ids: torch.Tensor, position_ids: torch.Tensor,
                 cache: HeadCache | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -341,13 +357,13 @@ class Eagle3Head(EagleHead):
 
     def _gather_draft_rows(self) -> None:
         if self.lm_head is not None:
-            self.draft_lm_weight = self.lm_head.weight[self.d2t].contiguous().detach()
+            self.draft_lm_weight = draft_rows(self.lm_head.weight, self.d2t).detach()
 
     def init_from_target_lm_head(self, target) -> None:
         """Start the draft lm_head from the target's rows of the draft vocabulary and the readout norm from the
         target's final norm: the head starts with the target's own readout `lm_head(norm(h))`."""
         with torch.no_grad():
-            self.draft_head.weight.copy_(self.lm_head.weight[self.d2t].to(self.draft_head.weight.dtype))
+            self.draft_head.weight.copy_(draft_rows(self.lm_head.weight, self.d2t).to(self.draft_head.weight.dtype))
             gain = final_norm_gain(target)
             if gain is not None:
                 self.norm.weight.copy_(gain.to(self.norm.weight.dtype))

@@ -148,7 +148,12 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
     out.parent.mkdir(parents=True, exist_ok=True)
-    os.replace(tmp, out)
+    try:
+        os.replace(tmp, out)
+    except OSError:  # another process (a second training rank) converted the same file first: keep its copy
+        if not (out / "config.json").exists():
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
     print(f"converted {gguf.name} in {time.perf_counter() - t0:.1f}s, cached at {out}")
 
 

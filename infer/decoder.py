@@ -184,7 +184,8 @@ class SpeculativeDecoder:
         attention becomes `gqa_sdpa` (eagle.attention: tree-masked passes without copying the KV cache per query
         head). `generate` and `stream` call it with `cpu.fast_path` and `cpu.screen_argmax`; call it yourself to
         time the target's passes as decoding runs them."""
-        use_gqa_sdpa(self.target.model, on)
+        if on:  # (turned off in the reverse order: the backend's attention first, then gqa_sdpa)
+            use_gqa_sdpa(self.target.model, True)
         self._fast = on and cpu_backend.applies(self.target.model)
         draft_model = getattr(self.proposer, "model", None)  # a ModelProposer's small LM (a TargetModel)
         models = [(self.target.model, self.target.source), (self.head, None),
@@ -197,6 +198,8 @@ class SpeculativeDecoder:
                                    gguf=gguf, drafts=model is self.head)
             elif not self._fast:
                 cpu_backend.disable(model)
+        if not on:
+            use_gqa_sdpa(self.target.model, False)
         self._screen = None
         if self._fast and screen and not self.target.softcap and self.target.lm_head.weight.dtype == torch.float32:
             self._screen = cpu_backend.Screen.of(self.target.lm_head)

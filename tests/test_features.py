@@ -80,6 +80,30 @@ def test_a_killed_feature_pass_resumes_after_its_last_complete_shard(tmp_path, m
     assert all(torch.equal(store[i], again[i]) and torch.equal(whole[i], again[i]) for i in range(len(rows)))
 
 
+def test_a_shard_cut_short_after_the_pass_is_computed_again_and_nothing_else(tmp_path, monkeypatch):
+    import train.loop as loop
+    from test_train import config, write_prepared
+
+    target = tiny_target(dtype=torch.float32)
+    write_prepared(tmp_path / "data", target)
+    rows = loop.load_rows(config(tmp_path), "train", str(tmp_path / "data"))
+    monkeypatch.setattr(features, "SHARD_BYTES", 32 * 4 * 40)
+    first = loop.cached_features(target, rows, tmp_path / "data", "train")
+    want = [first[i].clone() for i in range(len(rows))]
+    folder = features_dir(tmp_path / "data", "train", target)
+    index = json.loads((folder / "index.json").read_text())
+    assert len(index["shards"]) >= 3
+    cut = folder / index["shards"][1]["file"]
+    cut.write_bytes(cut.read_bytes()[:-4])  # a copy that stopped 4 bytes short: the header is intact
+    assert FeatureStore.open(folder, [len(r[0]) for r in rows]) is None
+    real, computed = loop.target_features, []
+    monkeypatch.setattr(loop, "target_features",
+                        lambda t, r, todo, w, d, layers=None: computed.extend(todo) or real(t, r, todo, w, d, layers))
+    store = loop.cached_features(target, rows, tmp_path / "data", "train")
+    assert sorted(computed) == sorted(index["shards"][1]["rows"])
+    assert all(torch.equal(store[i], want[i]) for i in range(len(rows)))
+
+
 def test_features_that_do_not_fit_on_the_disk_are_refused_before_any_is_written(tmp_path, monkeypatch, capsys):
     from test_train import write_prepared
 

@@ -94,3 +94,28 @@ def test_a_target_spread_by_a_device_map_trains_online(setup, tmp_path):
     done = run_train(setup, "mapped", 1, "model.device_map=auto", "data.online=true", "budget.max_steps=2")
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads((setup / "mapped/run/checkpoint/state.json").read_text())["step"] == 2
+
+
+def test_launches_the_loop_does_not_serve_are_one_line_errors():
+    from types import SimpleNamespace
+
+    from accelerate.utils import DistributedType
+
+    from train.config import TrainConfig
+    from train.loop import TrainError, check_launch
+
+    def launch(kind=DistributedType.NO, precision="no", processes=1):
+        return SimpleNamespace(distributed_type=kind, mixed_precision=precision, num_processes=processes)
+
+    cfg = TrainConfig()
+    check_launch(cfg, launch(DistributedType.MULTI_GPU, "no", 2))
+    with pytest.raises(TrainError, match="^accelerate launched with distributed_type DEEPSPEED: "):
+        check_launch(cfg, launch(DistributedType.DEEPSPEED))
+    with pytest.raises(TrainError, match="^accelerate's mixed_precision is fp16 but the config's mixed_precision is "
+                                         "none: "):
+        check_launch(cfg, launch(precision="fp16"))
+    cfg.mixed_precision = "bf16"
+    check_launch(cfg, launch(precision="bf16"))
+    cfg.model.device_map = "auto"
+    with pytest.raises(TrainError, match="^model.device_map 'auto' spreads one target over the devices; with 2 "):
+        check_launch(cfg, launch(processes=2))

@@ -103,6 +103,9 @@ def test_resume_continues_exactly(tmp_path, target, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         train(killed, target=target)
     monkeypatch.setattr(loop, "save_checkpoint", real_save)
+    other = config(tmp_path, "budget.max_steps=12", "run_dir=" + str(tmp_path / "b"), "optim.accumulate=2")
+    with pytest.raises(TrainError, match=r"was trained with optim.accumulate 1: resume it with 1 \(given: 2\)"):
+        train(other, target=target)  # its batches would not be the ones the checkpoint's place in the epoch counts
     resumed = train(killed, target=target)  # the same command again
     assert resumed["step"] == straight["step"] == 12
     a = EagleHead.from_pretrained(tmp_path / "a/checkpoint/head").trainable_state_dict()

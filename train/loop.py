@@ -23,6 +23,7 @@ import shutil
 import signal
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -33,7 +34,7 @@ import cpu_backend
 from data_prep import draft_vocabulary, load_examples
 from eagle import EagleHead, HeadCache, HeadConfig, TargetModel, load_target
 from eagle.checkpoint import check_head_dir, fsync_path, recover_dir, replace_dir, save_head
-from eagle.features import DTYPES as FEATURE_DTYPES, FeatureStore, FeatureWriter, check_room, features_dir
+from eagle.features import DTYPES as FEATURE_DTYPES, FeatureError, FeatureStore, FeatureWriter, check_room, features_dir
 from eagle.configio import save_config
 from eagle.device import resolve_device, resolve_dtype
 from eagle.head import eagle3_layers, load_head, make_head
@@ -164,6 +165,9 @@ def cached_features(target: TargetModel, rows, prepared: Path, split: str, layer
             check_room(folder, size, f"target features ({split})")
             target_features(target, rows, todo, w, f"target features ({split})", layers)
         store = FeatureStore.open(folder, lengths)
+    if store is None:  # written whole just now, yet unreadable: the disk or another writer, not this pass
+        raise FeatureError(f"target features ({split}): the store in {str(folder)!r} was written but cannot be read "
+                           "back; check the disk, delete the folder and run again")
     return store
 
 
@@ -409,10 +413,7 @@ def save_checkpoint(run: Path, head, opt, state: dict) -> None:
     the new one is in place, and `last_checkpoint` puts checkpoint.prev back when a kill came between the two
     renames. So a kill at any instant leaves a complete checkpoint. EAGLE_FAULT=checkpoint-between-renames[@STEP]
     kills the process between the renames (`fault`)."""
-    bad = [k for k, v in head.trainable_state_dict().items() if v.is_floating_point() and not v.isfinite().all()]
-    if bad:  # never in place of a good checkpoint
-        raise TrainError(f"the weights are not finite after step {state['step']} ({', '.join(bad[:3])}): training "
-                         f"stopped; {last_good(run, state['step'])}")
+    check_finite(head, run, state)
     tmp = run / "checkpoint.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     save_head(head, tmp / "head")
@@ -421,6 +422,15 @@ def save_checkpoint(run: Path, head, opt, state: dict) -> None:
     for f in (tmp / "optimizer.pt", tmp / "state.json", tmp):
         fsync_path(f)
     replace_dir(tmp, run / "checkpoint", between=lambda: fault("checkpoint-between-renames", state["step"]))
+
+
+def check_finite(head, run: Path, state: dict) -> None:
+    """Stop, in one line, before weights that are not finite replace a good checkpoint or head. Every process holds
+    the same weights, so every process stops alike."""
+    bad = [k for k, v in head.trainable_state_dict().items() if v.is_floating_point() and not v.isfinite().all()]
+    if bad:
+        raise TrainError(f"the weights are not finite after step {state['step']} ({', '.join(bad[:3])}): training "
+                         f"stopped; {last_good(run, state['step'])}")
 
 
 def last_checkpoint(run: Path) -> Path | None:
@@ -471,7 +481,8 @@ def validate(head, target, val_rows, val_feats, prompts, cfg: TrainConfig, ranks
             _, m = head_loss(head, ids, mask, feats, cfg, gen, noise=False)
             sums += torch.tensor([m["loss"] * m["tokens"], m["acc"] * m["tokens"], m["tokens"]], dtype=torch.float64)
             accepts += [a for row in batch_accepts(head, target, ids, mask, feats, k) for a in row]
-    sums = ranks.sum_(sums.to(p.device)).cpu()
+    if ranks.count > 1:  # (float64 on the processes' device: NCCL reduces CUDA tensors)
+        sums = ranks.sum_(sums.to(p.device)).cpu()
     accepts = [a for part in ranks.gather(accepts) for a in part]
     stats = {"val_loss": float(sums[0] / max(sums[2], 1)), "val_acc": float(sums[1] / max(sums[2], 1))}
     sim = acceptance_stats(accepts, k)
@@ -497,13 +508,19 @@ def train(cfg: TrainConfig, target: TargetModel | None = None) -> dict:
     """Train (or resume) the head `cfg` describes, in this process or in each of several (`train.parallel`);
     returns the final trainer state."""
     from accelerate import Accelerator
+    from accelerate.utils import InitProcessGroupKwargs
 
     check_config(cfg)                                    # 1. one-line errors before any time is spent
-    device = resolve_device(cfg.device)
+    # a target handed in decides the device unless the config names one
+    device = target.device if target is not None and cfg.device == "auto" else resolve_device(cfg.device)
     if device.type == "cuda" and device.index is not None:
         torch.cuda.set_device(device)  # accelerate takes the current device
-    accelerator = Accelerator(cpu=device.type == "cpu")
+    # the target features of a data set are computed by the main process while the others wait at a barrier (hours
+    # for a large set on one GPU): a process group that waits that long instead of NCCL's default 10 minutes
+    wait = InitProcessGroupKwargs(timeout=timedelta(hours=float(os.environ.get("EAGLE_DIST_TIMEOUT_HOURS", 12))))
+    accelerator = Accelerator(cpu=device.type == "cpu", kwargs_handlers=[wait])
     ranks = Ranks.of(accelerator)
+    check_launch(cfg, accelerator)
     run = Path(cfg.run_dir)
     state = resume_state(cfg, run, ranks)                # 2. the last complete checkpoint's state, if any
     if state and state.get("done"):
@@ -522,7 +539,7 @@ def train(cfg: TrainConfig, target: TargetModel | None = None) -> dict:
     opt = torch.optim.AdamW(params, lr=cfg.optim.lr, betas=tuple(cfg.optim.betas), weight_decay=cfg.optim.weight_decay)
     if state:                                            # 5. the optimizer, resumed
         opt.load_state_dict(torch.load(run / "checkpoint" / "optimizer.pt", map_location="cpu", weights_only=True))
-    if cfg.cpu.fast_path and accelerator.device.type == "cpu" and cfg.mixed_precision == "none":
+    if cfg.cpu.fast_path and cpu_backend.applies(head) and cfg.mixed_precision == "none":
         cpu_backend.enable(head)                         # 6. the head's products through the CPU backend
         slower = cpu_backend.plan_training(head, min(cfg.optim.batch_tokens, 1024))  # ... where it beats F.linear's
         if slower:
@@ -532,6 +549,26 @@ def train(cfg: TrainConfig, target: TargetModel | None = None) -> dict:
                f"best simulated validation tau {state['best_tau']:.3f} (k = {cfg.eval.num_speculative_tokens}); "
                f"head in {cfg.out}")
     return state
+
+
+def check_launch(cfg: TrainConfig, accelerator) -> None:
+    """One-line TrainErrors for launches this loop does not serve: it replicates the head and averages gradients
+    itself (train.parallel), so no DeepSpeed, FSDP or XLA plugin; the precision is the config's, not accelerate's;
+    a target spread over devices (model.device_map) is for one process."""
+    from accelerate.utils import DistributedType
+
+    kind = accelerator.distributed_type
+    if kind not in (DistributedType.NO, DistributedType.MULTI_GPU, DistributedType.MULTI_CPU):
+        raise TrainError(f"accelerate launched with distributed_type {kind.value}: eagle train runs plain data "
+                         "parallel processes (MULTI_GPU or MULTI_CPU); run `accelerate config` without DeepSpeed/FSDP")
+    asked = {"no": "none", "bf16": "bf16"}.get(accelerator.mixed_precision, accelerator.mixed_precision)
+    if asked != "none" and asked != cfg.mixed_precision:
+        raise TrainError(f"accelerate's mixed_precision is {accelerator.mixed_precision} but the config's "
+                         f"mixed_precision is {cfg.mixed_precision}: set mixed_precision in the training config "
+                         "(none or bf16) and launch with --mixed_precision no")
+    if cfg.model.device_map and accelerator.num_processes > 1:
+        raise TrainError(f"model.device_map {cfg.model.device_map!r} spreads one target over the devices; with "
+                         f"{accelerator.num_processes} processes each would load it so: use one process, or none")
 
 
 def say(ranks: Ranks, text: str) -> None:
@@ -595,6 +632,11 @@ def resume_state(cfg: TrainConfig, run: Path, ranks: Ranks = Ranks()) -> dict | 
     if state and not state.get("done") and trained_by != ranks.count:
         raise TrainError(f"run_dir {str(run)!r} was trained by {trained_by} processes: resume it with {trained_by} "
                          f"(launched: {ranks.count}), or start a new run_dir")
+    for key in ("accumulate", "batch_tokens"):  # the batches and the place in the epoch depend on them
+        was, now = (state or {}).get(key), getattr(cfg.optim, key)
+        if state and not state.get("done") and was is not None and was != now:
+            raise TrainError(f"run_dir {str(run)!r} was trained with optim.{key} {was}: resume it with {was} "
+                             f"(given: {now}), or start a new run_dir")
     cfg.num_processes = ranks.count
     if ranks.main and not (state and state.get("done")):
         save_config(cfg, run / "config.yaml")
@@ -688,7 +730,8 @@ def fit(cfg: TrainConfig, head, opt, params, target, data: TrainData, run: Path,
     `save_every_minutes` and validation every `eval.every_minutes` and at the end; returns the final state. A step
     takes `optim.accumulate` micro-batches on each process (`train.parallel`)."""
     state = state or {"step": 0, "epoch": 0, "batch_in_epoch": 0, "train_s": 0.0, "best_tau": -1.0,
-                      "tokens": 0, "done": False, "num_processes": ranks.count}
+                      "tokens": 0, "done": False, "num_processes": ranks.count,
+                      "accumulate": cfg.optim.accumulate, "batch_tokens": cfg.optim.batch_tokens}
     lengths = [r[0].shape[0] for r in data.rows]
     per_step = cfg.optim.accumulate * ranks.count  # micro-batches an optimizer step takes, over every process
     steps_per_epoch = len(make_batches(lengths, cfg.optim.batch_tokens, torch.Generator())) // per_step
@@ -800,6 +843,7 @@ def checkpoint_and_validate(cfg: TrainConfig, head, opt, target, data: TrainData
                             log: RunLog, ranks: Ranks, final: bool) -> None:
     """Validate (every process its share); the main process exports the head to `out` when its simulated tau is the
     best so far, then writes the checkpoint."""
+    check_finite(head, run, state)
     v = validate(head, target, data.val_rows, data.val_feats, data.prompts, cfg, ranks)
     score = v["val_sim_tau"]  # every held-out row, so far less noisy than decoding a few prompts
     best = score > state["best_tau"]
