@@ -1,10 +1,12 @@
-"""The `eagle` command: prep, train, eval, bench, export, generate.
+"""The `eagle` command: prep, train, eval, bench, export, check, generate.
 
     eagle prep --target smollm2-135m --data sharegpt --out runs/demo/data --max-rows 300 --regenerate
     eagle train --config configs/smollm2-135m-eagle1.yaml budget.minutes=10
     eagle eval --target smollm2-135m --draft runs/demo/head --data prompts.jsonl --out runs/demo/eval
     eagle bench --target smollm2-135m --draft runs/demo/head --data prompts.jsonl --out runs/demo/bench
     eagle export --draft runs/demo/head --out runs/demo/head-vllm
+    eagle export --draft runs/demo/head3 --out runs/demo/head3.gguf --format llama.cpp
+    eagle check runs/demo/head-vllm --for vllm            # the loader's rules: names, shapes, dtypes, config keys
     eagle generate --target smollm2-135m --draft runs/demo/head --prompt "Tell me about owls."
 
 Options of prep, eval and bench are the fields of their config dataclasses (PrepConfig, EvalConfig, BenchConfig):
@@ -105,12 +107,48 @@ def cmd_export(args) -> None:
     if Path(args.out).resolve() == Path(args.draft).resolve():
         raise ValueError(f"--out {args.out!r} is the --draft directory: name a new one (the published layout would "
                          "replace the head, and may not hold all of it)")
+    if args.format == "llama.cpp":
+        return export_llamacpp(args)
     check_head_dir(args.out, "--out ")  # a directory that holds anything but a head is never replaced
     head = EagleHead.from_pretrained(args.draft)
-    for note in export_published(head, args.out):
+    for note in export_published(head, args.out, args.engine):
         print(f"note: {note}")
     print(f"wrote {args.out}/config.json and model.safetensors ({head.config.head_type}, the published EAGLE layout "
-          "that vLLM and SGLang load)")
+          f"that vLLM and SGLang load; checked for {args.engine}: eagle check {args.out} --for {args.engine})")
+
+
+def cmd_check(args) -> int:
+    from eagle.contracts import check_head, rules
+
+    problems = check_head(args.head, args.engine)
+    for p in problems:
+        print(p)
+    n = len(rules(args.engine, str(args.head).endswith(".gguf")))
+    print(f"{args.head}: {'ok' if not problems else f'{len(problems)} broken'} against {n} rules of "
+          f"{args.engine}'s loader")
+    return 1 if problems else 0
+
+
+def export_llamacpp(args) -> None:
+    from pathlib import Path
+
+    from eagle import EagleHead
+    from eagle.llamacpp import ExportError, check, export_llamacpp
+    from eagle.target import resolve_target
+
+    head = EagleHead.from_pretrained(args.draft)
+    check(head.config, Path(args.out), args.outtype)  # before the target is looked for
+    target_gguf = args.target_gguf
+    if target_gguf is None:
+        found = resolve_target(args.target or head.config.target) if (args.target or head.config.target) else None
+        if not (isinstance(found, Path) and found.suffix == ".gguf"):
+            raise ExportError(f"the head's target {head.config.target!r} is not a GGUF file: name the target's GGUF, "
+                              "the one llama.cpp serves, with --target-gguf")
+        target_gguf = found
+    for note in export_llamacpp(head, args.out, target_gguf, args.outtype):
+        print(f"note: {note}")
+    print(f"wrote {args.out} (llama.cpp EAGLE3 draft, {args.outtype}; target {Path(target_gguf).name}): "
+          f"llama-speculative-simple -m TARGET.gguf -md {args.out} --spec-type draft-eagle3")
 
 
 def cmd_generate(args) -> None:
@@ -168,9 +206,23 @@ def build_parser() -> argparse.ArgumentParser:
     sb = sub.add_parser("bench", help="measure chains, trees and prompt lookup; name the fastest setting")
     _add_dataclass_args(sb, BenchConfig)
     sb.set_defaults(func=cmd_bench)
-    sx = sub.add_parser("export", help="write a head in the published EAGLE layout (vLLM, SGLang)")
+    sx = sub.add_parser("export", help="write a head in the published EAGLE layout (vLLM, SGLang) or as a "
+                                       "llama.cpp draft GGUF")
     sx.add_argument("--draft", required=True, help="our head directory")
-    sx.add_argument("--out", required=True)
+    sx.add_argument("--out", required=True, help="a directory (hf), a .gguf file (llama.cpp)")
+    sx.add_argument("--format", choices=("hf", "llama.cpp"), default="hf",
+                    help="hf: config.json + model.safetensors as vLLM and SGLang load them; llama.cpp: an EAGLE3 "
+                         "draft GGUF (EAGLE-3 heads)")
+    sx.add_argument("--target", default=None, help="llama.cpp: the target (default: the head's), a GGUF alias or file")
+    sx.add_argument("--target-gguf", default=None, help="llama.cpp: the target's GGUF file, for its tokenizer")
+    sx.add_argument("--outtype", default="f16", help="llama.cpp: f16 (as llama.cpp's converter), f32 or bf16")
+    sx.add_argument("--for", dest="engine", choices=("vllm", "sglang"), default="vllm",
+                    help="hf: the server whose conventions settle what the two disagree on (an EAGLE-1 head's "
+                         "architectures)")
+    sc = sub.add_parser("check", help="check a published-layout head or a draft GGUF against a server's loader")
+    sc.add_argument("head", help="a head directory (config.json + weights) or a .gguf draft")
+    sc.add_argument("--for", dest="engine", required=True, choices=("vllm", "sglang", "llama.cpp"))
+    sc.set_defaults(func=cmd_check)
     sx.set_defaults(func=cmd_export)
     sg = sub.add_parser("generate", help="stream a completion and print the statistics")
     sg.add_argument("--target", default="smollm2-135m")
@@ -188,7 +240,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        args.func(args)
+        code = args.func(args)
     except KeyboardInterrupt:
         print(f"eagle {args.command}: interrupted", file=sys.stderr)
         return 130
@@ -197,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"eagle {args.command}: error: {str(e).splitlines()[0] if str(e) else type(e).__name__}",
               file=sys.stderr)
         return 2
-    return 0
+    return code or 0  # (eagle check: 1 when a rule is broken)
 
 
 if __name__ == "__main__":

@@ -7,8 +7,10 @@
 - EAGLE-3 (`architectures: ["LlamaForCausalLMEagle3"]`): `fc.weight` (3H -> H), `midlayer.*` (our `layers.0.*`),
   `norm.weight`, `lm_head.weight` over the draft vocabulary (our `draft_head.weight`), `d2t` as offsets (target id
   = draft index + d2t[index]; ours holds the target ids), `t2d` a boolean mask over the target vocabulary. The fused
-  layers come from `eagle_config.eagle_aux_hidden_state_layer_ids` (indexed like transformers' `hidden_states`
-  tuple, as vLLM captures them), else EAGLE-3's default 2, L // 2, L - 3 of the target.
+  layers: a top-level `eagle_aux_hidden_state_layer_ids` is indexed like transformers' `hidden_states` tuple (a
+  layer's input, as vLLM and llama.cpp read it, and as ours are); `eagle_config.eagle_aux_hidden_state_layer_ids`
+  names layer outputs (SGLang and SpecForge: index + 1). Export writes both; reading prefers the top-level key.
+  Without either, EAGLE-3's default 2, L // 2, L - 3 of the target (eagle.contracts has the loaders' rules).
 
 Weights are read from `model.safetensors` or `pytorch_model.bin` (`torch.load(weights_only=True)`); a copy of the
 target's embedding (`embed_tokens.weight`) and rotary buffers are ignored: ours shares the target's.
@@ -72,11 +74,14 @@ def read_published(path, raw: dict, target=None) -> tuple[HeadConfig, dict[str, 
         cfg = HeadConfig(head_type="eagle1", fc_bias="fc.bias" in state,
                          num_layers=int(raw.get("num_hidden_layers", 1)), **common)
         return cfg, state
-    ids = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    ids = raw.get("eagle_aux_hidden_state_layer_ids")
+    nested = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    if ids is None and nested is not None:  # layer outputs (SGLang, SpecForge): the next layer's input
+        ids = [int(i) + 1 for i in nested]
     if ids is None:
         if target is None:
             raise CheckpointError(f"draft head {str(path)!r}: an EAGLE-3 config without "
-                               "eagle_config.eagle_aux_hidden_state_layer_ids; load it with its target to use the "
+                               "eagle_aux_hidden_state_layer_ids (top-level or in eagle_config); load it with its target to use the "
                                "default layers 2, L // 2, L - 3")
         ids = eagle3_layers(target.config.num_hidden_layers)
     ours = {}
@@ -99,10 +104,12 @@ def read_published(path, raw: dict, target=None) -> tuple[HeadConfig, dict[str, 
     return cfg, ours
 
 
-def export_published(head, out) -> list[str]:
-    """Write `head` (an `eagle.head.EagleHead`) into directory `out` in the published layout of its kind (config.json + model.safetensors),
-    whole or not at all; an `out` holding anything but a head is refused (`eagle.checkpoint.check_head_dir`).
-    Returns notes on what the layout cannot hold."""
+def export_published(head, out, engine: str = "vllm") -> list[str]:
+    """Write `head` (an `eagle.head.EagleHead`) into directory `out` in the published layout of its kind
+    (config.json + model.safetensors), whole or not at all; an `out` holding anything but a head is refused
+    (`eagle.checkpoint.check_head_dir`). `engine` (vllm, sglang) picks what the two disagree on: an EAGLE-1 head's
+    `architectures` (vLLM: LlamaForCausalLM; SGLang: LlamaForCausalLMEagle). Returns notes on what the layout
+    cannot hold."""
     c, notes = head.config, []
     state = {k: (v.float() if v.is_floating_point() else v).detach().contiguous().cpu()
              for k, v in head.trainable_state_dict().items()}
@@ -125,11 +132,14 @@ def export_published(head, out) -> list[str]:
         if any(i < 0 for i in c.feature_layer_ids):
             notes.append(f"feature_layer_ids {c.feature_layer_ids} count from the end; servers read them from the "
                          "start (index i of transformers' hidden_states is the input of layer i): edit "
-                         "eagle_config.eagle_aux_hidden_state_layer_ids")
+                         "eagle_aux_hidden_state_layer_ids (and eagle_config's, one less)")
         raw.update(architectures=["LlamaForCausalLMEagle3"], num_hidden_layers=1,
                    draft_vocab_size=c.draft_vocab_size or c.vocab_size,
-                   eagle_config={"eagle_aux_hidden_state_layer_ids": list(c.feature_layer_ids),
-                                 "use_aux_hidden_state": True})
+                   eagle_aux_hidden_state_layer_ids=list(c.feature_layer_ids),  # layer inputs: vLLM, llama.cpp
+                   eagle_config={"eagle_aux_hidden_state_layer_ids": [i - 1 for i in c.feature_layer_ids],
+                                 "use_aux_hidden_state": True})  # layer outputs: SGLang
+        if not c.draft_vocab_size:  # vLLM has no place for a d2t when the vocabularies are the same
+            del out_state["d2t"], out_state["t2d"]
     else:
         out_state = {k: v for k, v in state.items() if k != "d2t"}
         if c.draft_vocab_size:
@@ -137,9 +147,12 @@ def export_published(head, out) -> list[str]:
                          "none, so the exported head drafts over the whole vocabulary")
         if c.feature_layer_ids != [-1]:
             notes.append(f"feature_layer_ids {c.feature_layer_ids}: the EAGLE-1 layout reads the last features")
-        raw.update(architectures=["LlamaForCausalLM"], num_hidden_layers=c.num_layers, bias=c.fc_bias)
-        if c.fc_bias:
-            notes.append("the fc has a bias (config `bias: true`, as the published EAGLE-1 heads); check that your "
-                         "server's EAGLE-1 loader reads fc.bias")
+        arch = "LlamaForCausalLMEagle" if engine == "sglang" else "LlamaForCausalLM"
+        raw.update(architectures=[arch], num_hidden_layers=c.num_layers, bias=c.fc_bias)
+        if c.fc_bias and engine == "vllm":
+            notes.append("the fc has a bias, which vLLM's EAGLE-1 model drops (eagle check --for vllm): drafts "
+                         "there differ from the trained head's; train with model.fc_bias=false for vLLM")
+        if not c.fc_bias and engine == "sglang":  # SGLang's fc always has a bias: zeros keep the head's function
+            out_state["fc.bias"] = torch.zeros(c.hidden_size)
     write_head_dir(out, raw, out_state)  # refuses an `out` that holds anything but a head
     return notes

@@ -51,7 +51,8 @@ def test_eagle3_export_keeps_the_draft_vocabulary_as_offsets_and_loads_back_exac
     export_published(head, tmp_path / "x")
     raw = json.loads((tmp_path / "x/config.json").read_text())
     assert raw["architectures"] == ["LlamaForCausalLMEagle3"] and raw["draft_vocab_size"] == 40
-    assert raw["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 1, 2]
+    assert raw["eagle_aux_hidden_state_layer_ids"] == [0, 1, 2]  # hidden_states indices, as vLLM reads them
+    assert raw["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [-1, 0, 1]  # layer outputs, as SGLang does
     w = load_file(str(tmp_path / "x/model.safetensors"))
     assert "midlayer.hidden_norm.weight" in w and "lm_head.weight" in w and "norm.weight" in w
     assert torch.equal(w["d2t"] + torch.arange(40), head.d2t) and w["t2d"].dtype == torch.bool
@@ -113,7 +114,7 @@ def test_an_eagle3_checkpoint_without_feature_layers_needs_its_target(target, tm
     head = eagle3_head(target)
     export_published(head, tmp_path / "x")
     raw = json.loads((tmp_path / "x/config.json").read_text())
-    del raw["eagle_config"]
+    del raw["eagle_config"], raw["eagle_aux_hidden_state_layer_ids"]
     (tmp_path / "x/config.json").write_text(json.dumps(raw))
     with pytest.raises(CheckpointError, match="eagle_aux_hidden_state_layer_ids") as e:
         EagleHead.from_pretrained(tmp_path / "x")

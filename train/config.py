@@ -22,6 +22,8 @@ class ModelConfig:
     # last layer; "random": from scratch
     init: str = "identity"
     num_layers: int = 1  # decoder layers of an EAGLE-1/2 head (EAGLE's: one; EAGLE-3 heads have one)
+    # an EAGLE-1/2 head's fc bias (EAGLE's original heads have one; vLLM's EAGLE-1 model drops it: false for vLLM)
+    fc_bias: bool = True
     # Draft over the n most frequent assistant tokens of the training rows (0: the whole vocabulary). Cuts the
     # lm_head cost of both training and drafting.
     draft_vocab: int = 0

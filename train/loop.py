@@ -646,9 +646,9 @@ def resume_state(cfg: TrainConfig, run: Path, ranks: Ranks = Ranks()) -> dict | 
 @dataclass
 class TrainData:
     rows: list  # (input ids, loss mask) of every training row, from every prepared directory
-    feats: list | None  # their target features (None: computed per batch, `data.online`)
+    feats: FeatureStore | None  # their target features (None: computed per batch, `data.online`)
     val_rows: list
-    val_feats: list | None
+    val_feats: FeatureStore | None
     layers: list[int] | None  # the target layers an EAGLE-3 head fuses
     prompts: list[str]  # held-out prompts decoded at validation
     feature_s: float  # seconds spent on the target features (0 when cached)
@@ -688,7 +688,7 @@ def new_head(cfg: TrainConfig, target: TargetModel, data: TrainData, device, dty
     torch.manual_seed(cfg.seed)
     vocab = draft_vocabulary(data.rows, target.vocab_size, cfg.model.draft_vocab, target.tokenizer,
                              cfg.model.vocab_counts, cfg.model.vocab_count_rows)
-    shape = {"num_layers": cfg.model.num_layers}
+    shape = {"num_layers": cfg.model.num_layers, "fc_bias": cfg.model.fc_bias}
     if data.layers is not None:
         shape.update(head_type="eagle3", feature_layer_ids=data.layers)
     hcfg = HeadConfig.for_target(target, draft_vocab_size=0 if vocab is None else vocab.shape[0], **shape)
