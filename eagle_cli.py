@@ -113,8 +113,14 @@ def cmd_export(args) -> None:
     head = EagleHead.from_pretrained(args.draft)
     for note in export_published(head, args.out, args.engine):
         print(f"note: {note}")
+    from eagle.contracts import check_head
+
+    broken = check_head(args.out, args.engine)
+    for line in broken:
+        print(f"note: {line}")
     print(f"wrote {args.out}/config.json and model.safetensors ({head.config.head_type}, the published EAGLE layout "
-          f"that vLLM and SGLang load; checked for {args.engine}: eagle check {args.out} --for {args.engine})")
+          f"that vLLM and SGLang load; {args.engine}'s loader rules: "
+          f"{'all kept' if not broken else f'{len(broken)} broken'})")
 
 
 def cmd_check(args) -> int:

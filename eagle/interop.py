@@ -149,9 +149,6 @@ def export_published(head, out, engine: str = "vllm") -> list[str]:
             notes.append(f"feature_layer_ids {c.feature_layer_ids}: the EAGLE-1 layout reads the last features")
         arch = "LlamaForCausalLMEagle" if engine == "sglang" else "LlamaForCausalLM"
         raw.update(architectures=[arch], num_hidden_layers=c.num_layers, bias=c.fc_bias)
-        if c.fc_bias and engine == "vllm":
-            notes.append("the fc has a bias, which vLLM's EAGLE-1 model drops (eagle check --for vllm): drafts "
-                         "there differ from the trained head's; train with model.fc_bias=false for vLLM")
         if not c.fc_bias and engine == "sglang":  # SGLang's fc always has a bias: zeros keep the head's function
             out_state["fc.bias"] = torch.zeros(c.hidden_size)
     write_head_dir(out, raw, out_state)  # refuses an `out` that holds anything but a head

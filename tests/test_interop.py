@@ -38,7 +38,10 @@ def test_eagle1_export_has_the_published_keys_and_loads_back_exactly(target, tmp
     assert {"fc.weight", "fc.bias", "layers.0.self_attn.q_proj.weight", "layers.0.mlp.down_proj.weight",
             "layers.0.post_attention_layernorm.weight"} <= keys
     assert not any("input_layernorm" in k for k in keys)  # EAGLE's first layer has none
-    assert any("bias" in n for n in notes)
+    from eagle.contracts import check_head
+
+    assert [line.split(":")[0] for line in check_head(tmp_path / "x", "vllm")] == ["vllm.eagle1.fc_bias"]
+    assert check_head(tmp_path / "x", "sglang")[0].startswith("sglang.architectures")  # made for vLLM
     again = EagleHead.from_pretrained(tmp_path / "x", dtype=torch.float64).attach(target)
     _same_state(head, again)
     a = SpeculativeDecoder(target, head).generate(PROMPT, 24, num_speculative_tokens=3)
