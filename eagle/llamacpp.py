@@ -127,6 +127,10 @@ def export_llamacpp(head, out, target_gguf, outtype: str = "f16", context_length
         raise ExportError(f"feature_layer_ids {c.feature_layer_ids}: llama.cpp extracts the inputs of target layers "
                           f"0..{layers - 1}")
     notes = ["t2d is left out (llama.cpp does not read it); the token embedding is the target's"]
+    if str(facts["arch"]).startswith("gemma"):  # checked in llama.cpp 0c1e570: src/models/gemma3.cpp
+        notes.append(f"llama.cpp 0c1e570's {facts['arch']} graph does not record its layer inputs, so decoding with "
+                     "this draft stops at GGML_ASSERT (llama-graph.cpp:1384, 'layer input tensor is null'); its "
+                     "llama and qwen3 graphs do")
     w = gguf.GGUFWriter(None, ARCH)
     w.add_name(f"EAGLE-3 draft for {c.target or target_gguf.stem}")
     w.add_file_type({"f32": 0, "f16": 1, "bf16": 32}[outtype])

@@ -39,12 +39,14 @@ def smollm2_shaped(head_type="eagle3", target="smollm2-135m"):
 
 
 @pytest.mark.parametrize("name", ["smollm2-135m", "gemma3-270m"])
-def test_the_draft_gguf_holds_what_llamacpp_reads(tmp_path, name):
+def test_the_draft_gguf_holds_what_llamacpp_reads(tmp_path, name, capsys):
     H, V, heads, kv, dim, inter, layers = SHAPES[name]
     head = smollm2_shaped(target=name)
     head.save_pretrained(tmp_path / "head")
     eagle_cli.main(["export", "--draft", str(tmp_path / "head"), "--out", str(tmp_path / "d.gguf"),
                     "--format", "llama.cpp"])
+    # llama.cpp's Gemma-3 graph extracts no layer inputs: the export says so
+    assert ("does not record its layer inputs" in capsys.readouterr().out) == (name == "gemma3-270m")
     r = gguf.GGUFReader(tmp_path / "d.gguf")
     field = lambda k: r.fields[k].parts[r.fields[k].data[0]].tolist()[0]  # noqa: E731
     assert bytes(r.fields["general.architecture"].parts[-1]).decode() == "eagle3"
