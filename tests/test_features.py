@@ -101,7 +101,8 @@ def test_a_shard_cut_short_after_the_pass_is_computed_again_and_nothing_else(tmp
                         lambda t, r, todo, w, d, layers=None: computed.extend(todo) or real(t, r, todo, w, d, layers))
     store = loop.cached_features(target, rows, tmp_path / "data", "train")
     assert sorted(computed) == sorted(index["shards"][1]["rows"])
-    assert all(torch.equal(store[i], want[i]) for i in range(len(rows)))
+    for i in range(len(rows)):  # the same features (recomputed rows batch with other rows: float sums may differ)
+        torch.testing.assert_close(store[i], want[i], rtol=1e-4, atol=1e-5)
 
 
 def test_features_that_do_not_fit_on_the_disk_are_refused_before_any_is_written(tmp_path, monkeypatch, capsys):
