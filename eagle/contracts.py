@@ -405,6 +405,8 @@ def _read_gguf(path: Path) -> Head:
     import gguf
     import numpy as np
 
+    from eagle.llamacpp import field_value
+
     try:
         reader = gguf.GGUFReader(path)
     except (OSError, ValueError) as e:
@@ -414,13 +416,7 @@ def _read_gguf(path: Path) -> Head:
         if name.startswith("tokenizer.ggml.") and name != "tokenizer.ggml.model":
             raw[name] = True  # present (its values are the target's)
             continue
-        kind = f.types[0]
-        if kind == gguf.GGUFValueType.STRING:
-            raw[name] = bytes(f.parts[f.data[0]]).decode("utf-8", "replace")
-        elif kind == gguf.GGUFValueType.ARRAY:
-            raw[name] = [f.parts[i].tolist()[0] for i in f.data]
-        else:
-            raw[name] = f.parts[f.data[0]].tolist()[0]
+        raw[name] = field_value(f)[0]
     arch = raw.get("general.architecture", "")
     cfg = {"hidden_size": raw.get(f"{arch}.embedding_length", 0),
            "num_attention_heads": raw.get(f"{arch}.attention.head_count", 1),

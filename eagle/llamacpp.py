@@ -36,6 +36,21 @@ def _permute(w: torch.Tensor, heads: int) -> torch.Tensor:
     return w.reshape(heads, 2, rows // heads // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
+def field_value(field):
+    """(value, element type of an array or None) of a `gguf.GGUFReader` field: strings decoded, numbers as Python's."""
+    import gguf
+
+    kind = field.types[0]
+    if kind == gguf.GGUFValueType.ARRAY:
+        sub = field.types[-1]
+        if sub == gguf.GGUFValueType.STRING:
+            return [bytes(field.parts[i]).decode("utf-8", "surrogateescape") for i in field.data], sub
+        return [field.parts[i].tolist()[0] for i in field.data], sub
+    if kind == gguf.GGUFValueType.STRING:
+        return bytes(field.parts[field.data[0]]).decode("utf-8", "surrogateescape"), None
+    return field.parts[field.data[0]].tolist()[0], None
+
+
 def _target_metadata(target_gguf: Path) -> tuple[dict, dict]:
     """(architecture facts, tokenizer fields) of the target's GGUF: its layer count, hidden size and vocabulary
     size, and every `tokenizer.*` field with its GGUF type."""
@@ -46,18 +61,7 @@ def _target_metadata(target_gguf: Path) -> tuple[dict, dict]:
     except (OSError, ValueError) as e:
         raise ExportError(f"target GGUF {str(target_gguf)!r} cannot be read: {str(e).splitlines()[0]}") from None
 
-    def value(field):
-        kind = field.types[0]
-        if kind == gguf.GGUFValueType.ARRAY:
-            sub = field.types[-1]
-            if sub == gguf.GGUFValueType.STRING:
-                return [bytes(field.parts[i]).decode("utf-8", "surrogateescape") for i in field.data], sub
-            return [field.parts[i].tolist()[0] for i in field.data], sub
-        if kind == gguf.GGUFValueType.STRING:
-            return bytes(field.parts[field.data[0]]).decode("utf-8", "surrogateescape"), None
-        return field.parts[field.data[0]].tolist()[0], None
-
-    fields = {name: (value(f), f.types[0]) for name, f in reader.fields.items()}
+    fields = {name: (field_value(f), f.types[0]) for name, f in reader.fields.items()}
     arch = fields.get("general.architecture", ((None, None), None))[0][0]
     facts = {"arch": arch}
     for key, name in (("block_count", "layers"), ("embedding_length", "hidden")):
