@@ -10,7 +10,8 @@ longer), in `--out/NAME/BUDGET/`; a finished run is reused, so the script resume
 or budgets can be added later. Each head is decoded on `--num-prompts` MT-bench prompts spread over the file
 (greedy, `--max-new-tokens`): a chain of 3 (tau and per-position acceptance) and the dynamic tree `--dynamic`
 (tau), beside the simulated tau of its last validation (every held-out row, `train.loop.validate`). The data's
-preparation minutes (regeneration included) are read from its summary.json.
+preparation minutes (regeneration included) are read from the summary.json of `--data` and of every `data.extra`
+folder a recipe adds, and shown beside the training minutes.
 
 Prints a Markdown table, writes `--out/curve.json` and `--out/curve.png` (tau against training minutes, one line per
 recipe), and prints the JSON as its last line.
@@ -52,7 +53,9 @@ def train_at(name: str, config: str, overrides: list[str], minutes: float, data:
                                             f"out={run / 'head'}", f"budget.minutes={minutes}", *overrides])
     t0 = time.perf_counter()
     state = train(cfg)
-    return {"head": str(run / "head"), "train_min": state["train_s"] / 60, "steps": state["step"],
+    prep = [prep_minutes(Path(d)) for d in [cfg.data.prepared, *cfg.data.extra]]
+    return {"head": str(run / "head"), "prep_min": sum(m or 0.0 for m in prep),
+            "train_min": state["train_s"] / 60, "steps": state["step"],
             "tokens": state["tokens"], "sim_tau": state["best_tau"], "wall_min": (time.perf_counter() - t0) / 60}
 
 
@@ -95,12 +98,13 @@ def main() -> None:
             store.write_text(json.dumps(results, indent=1))  # after every run: a kill loses one run at most
     prep = prep_minutes(Path(args.data))
     print(f"data: {args.data}" + (f" (prepared in {prep:.1f} min)" if prep else ""))
-    print("| recipe | budget min | steps | simulated tau | tau chain 3 | acceptance 1 / 2 / 3 | tau dynamic "
+    print("| recipe | prep + train min | steps | simulated tau | tau chain 3 | acceptance 1 / 2 / 3 | tau dynamic "
           f"{args.dynamic} | dynamic / chain |")
     print("|---|---|---|---|---|---|---|---|")
     for r in sorted(results.values(), key=lambda r: (r["recipe"], r["budget_min"])):
         c, d = r["chain3"], r["dynamic"]
-        print(f"| {r['recipe']} | {r['budget_min']:g} | {r['steps']} | {r['sim_tau']:.2f} | {c['tau']:.2f} | "
+        data_min = r.get("prep_min", prep or 0.0)
+        print(f"| {r['recipe']} | {data_min:.0f} + {r['budget_min']:g} | {r['steps']} | {r['sim_tau']:.2f} | {c['tau']:.2f} | "
               + " / ".join(f"{a:.2f}" for a in c["acceptance_per_position"])
               + f" | {d['tau']:.2f} | {d['tau'] / c['tau']:.2f}x |")
     plot(results, root / "curve.png")

@@ -364,3 +364,28 @@ def test_simulated_acceptance_is_what_decoding_accepts(tmp_path, target, monkeyp
         assert out.accept_lengths[:-1] == accepts[: len(out.accept_lengths) - 1]
         checked += sum(accepts)
     assert checked > 10  # the head accepts something, so the comparison is not all zeros
+
+
+def test_extra_rows_first_then_the_prepared_ones(tmp_path, target):
+    """`data.order=extra_first`: each epoch trains on every data.extra row (e.g. raw rows) before the prepared ones,
+    and a batch never mixes them; `mixed` shuffles them together."""
+    from train.loop import load_data, make_batches, row_groups
+
+    write_prepared(tmp_path / "data", target)
+    write_prepared(tmp_path / "extra", target, rows=16, seed=1)
+    cfg = config(tmp_path, f"data.extra={tmp_path / 'extra'}", "data.order=extra_first", "budget.max_steps=6")
+    data = load_data(cfg, target, quiet=True)
+    assert sorted(data.sources) == [0] * 20 + [1] * 12  # 4 rows of each held out as validation rows
+    lengths = [r[0].shape[0] for r in data.rows]
+    for epoch in range(2):
+        batches = make_batches(lengths, 64, torch.Generator().manual_seed(epoch), row_groups(cfg, data))
+        tags = [{data.sources[i] for i in b} for b in batches]
+        assert all(len(t) == 1 for t in tags)  # no batch mixes the two
+        first = [t.pop() for t in tags]
+        assert first == sorted(first, reverse=True)  # extra rows (1) first, then the prepared (0)
+        assert sorted(i for b in batches for i in b) == list(range(32))
+    mixed = config(tmp_path, f"data.extra={tmp_path / 'extra'}", "budget.max_steps=6")
+    assert row_groups(mixed, data) is None
+    assert train(cfg, target=target)["step"] == 6
+    with pytest.raises(TrainError, match="data.order 'raw': expected mixed or extra_first"):
+        train(config(tmp_path, "data.order=raw", "budget.max_steps=1"), target=target)

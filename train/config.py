@@ -47,6 +47,10 @@ class DataConfig:
     prepared: str = "runs/demo/data"  # a directory written by `eagle prep`; validation rows come from here
     # more prepared directories whose train rows are added (e.g. raw ShareGPT rows beside regenerated ones)
     extra: list[str] = field(default_factory=list)
+    # "mixed": each epoch shuffles the rows of every directory together; "extra_first": each epoch trains on the
+    # `extra` rows before the `prepared` ones (e.g. raw ShareGPT rows first, the target's own rows last). A batch
+    # never mixes the two then; with more rows than the budget reaches, the prepared rows come last in the run.
+    order: str = "mixed"
     max_length: int = 1024  # longer training rows are cut (the loss mask is cut with them)
     # online: run the target on every batch (no feature cache on disk; slower); else features are computed once
     # and cached beside the prepared rows

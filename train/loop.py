@@ -69,13 +69,13 @@ def _reply_grams(ids: torch.Tensor, mask: torch.Tensor, n: int) -> set[tuple[int
     return {tuple(a[i:i + n]) for i in range(len(a) - n + 1)}
 
 
-def drop_val_rows(rows, feats, val_rows, max_shared: float = 0.5, n: int = 8):
+def drop_val_rows(rows, feats, val_rows, max_shared: float = 0.5, n: int = 8, sources: list[int] | None = None):
     """Training rows (and their features, if cached) less those that repeat a validation row, and how many were
     left out. A training row repeats a validation row when it is identical to it, or when its assistant text holds
     at least `max_shared` of the validation row's distinct assistant n-grams: ShareGPT asks the same thing in other
     words ("continue" and "continue please" get the very same regenerated reply). Prepared shards are split on their
     own, so a row repeated across shards (or data.extra holding the validation shard's rows) would otherwise be
-    trained on and scored."""
+    trained on and scored. `sources` (a tag per row) is filtered alike and returned fourth when given."""
     held_out = {tuple(ids.tolist()) for ids, _ in val_rows}
     owners: dict[tuple[int, ...], list[int]] = {}  # n-gram -> the validation rows whose replies hold it
     need = []  # shared n-grams that make a training row a repeat of validation row j
@@ -97,25 +97,38 @@ def drop_val_rows(rows, feats, val_rows, max_shared: float = 0.5, n: int = 8):
         return any(c >= need[j] for j, c in enumerate(shared) if c)
 
     keep = [i for i, (ids, mask) in enumerate(rows) if not repeats(ids, mask)]
-    if len(keep) == len(rows):
-        return rows, feats, 0
-    kept = None if feats is None else feats.take(keep) if isinstance(feats, FeatureStore) else [feats[i] for i in keep]
-    return [rows[i] for i in keep], kept, len(rows) - len(keep)
+    kept = None if feats is None else feats if len(keep) == len(rows) else \
+        feats.take(keep) if isinstance(feats, FeatureStore) else [feats[i] for i in keep]
+    out = (rows if len(keep) == len(rows) else [rows[i] for i in keep], kept, len(rows) - len(keep))
+    return out if sources is None else (*out, [sources[i] for i in keep])
 
 
-def make_batches(lengths: list[int], batch_tokens: int, gen: torch.Generator) -> list[list[int]]:
-    """Group rows of similar length so a padded batch holds about `batch_tokens` tokens; shuffled batch order."""
-    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
-    batches, cur = [], []
-    for i in order:
-        if cur and (len(cur) + 1) * lengths[i] > batch_tokens:
-            batches.append(cur)
-            cur = []
-        cur.append(i)
-    if cur:
-        batches.append(cur)
-    perm = torch.randperm(len(batches), generator=gen).tolist()
-    return [batches[p] for p in perm]
+def make_batches(lengths: list[int], batch_tokens: int, gen: torch.Generator,
+                 groups: list[list[int]] | None = None) -> list[list[int]]:
+    """Group rows of similar length so a padded batch holds about `batch_tokens` tokens; shuffled batch order.
+    `groups` (row indices, e.g. one group per data source): each group is batched and shuffled on its own and the
+    groups follow each other in the order given; None: every row in one group."""
+    batches = []
+    for group in groups if groups is not None else [range(len(lengths))]:
+        order = sorted(group, key=lambda i: lengths[i])
+        part, cur = [], []
+        for i in order:
+            if cur and (len(cur) + 1) * lengths[i] > batch_tokens:
+                part.append(cur)
+                cur = []
+            cur.append(i)
+        if cur:
+            part.append(cur)
+        batches += [part[p] for p in torch.randperm(len(part), generator=gen).tolist()]
+    return batches
+
+
+def row_groups(cfg: TrainConfig, data: TrainData) -> list[list[int]] | None:
+    """The row groups `make_batches` takes for `data.order`: None (mixed), or the extra rows, then the prepared."""
+    if cfg.data.order == "mixed":
+        return None
+    extra = [i for i, s in enumerate(data.sources) if s > 0]
+    return [g for g in (extra, [i for i, s in enumerate(data.sources) if s == 0]) if g]
 
 
 def collate(rows, feats, idx: list[int], target: TargetModel | None = None, layers: list[int] | None = None,
@@ -582,6 +595,8 @@ def check_config(cfg: TrainConfig) -> None:
     any time is spent (an `out` holding anything but a head is never replaced)."""
     if cfg.model.head_type not in ("eagle1", "eagle3"):
         raise TrainError(f"model.head_type {cfg.model.head_type!r}: expected eagle1 or eagle3")
+    if cfg.data.order not in ("mixed", "extra_first"):
+        raise TrainError(f"data.order {cfg.data.order!r}: expected mixed or extra_first")
     if cfg.loss.positions not in ("assistant", "all"):
         raise TrainError(f"loss.positions {cfg.loss.positions!r}: expected assistant or all")
     if cfg.model.num_layers < 1 or (cfg.model.head_type == "eagle3" and cfg.model.num_layers != 1):
@@ -652,6 +667,7 @@ class TrainData:
     layers: list[int] | None  # the target layers an EAGLE-3 head fuses
     prompts: list[str]  # held-out prompts decoded at validation
     feature_s: float  # seconds spent on the target features (0 when cached)
+    sources: list[int]  # per training row: 0 for data.prepared, i for the i-th data.extra directory
 
 
 def load_data(cfg: TrainConfig, target: TargetModel, quiet: bool = False) -> TrainData:
@@ -674,12 +690,13 @@ def load_data(cfg: TrainConfig, target: TargetModel, quiet: bool = False) -> Tra
                                      for src, part in zip(sources, parts)])
         val_feats = cached_features(target, val_rows, Path(cfg.data.prepared), "val", layers, dtype)
     feature_s = time.perf_counter() - t0
-    rows, feats, leaked = drop_val_rows(rows, feats, val_rows, cfg.data.val_overlap)
+    sources = [s for s, part in enumerate(parts) for _ in part]
+    rows, feats, leaked, sources = drop_val_rows(rows, feats, val_rows, cfg.data.val_overlap, sources=sources)
     if leaked and not quiet:
         rule = "identical" if cfg.data.val_overlap > 1 else \
             f"identical, or holding >= {cfg.data.val_overlap:.0%} of its reply's 8-grams"
         print(f"left out {leaked} training rows that repeat a validation row of {cfg.data.prepared} ({rule})")
-    return TrainData(rows, feats, val_rows, val_feats, layers, val_prompts(cfg), feature_s)
+    return TrainData(rows, feats, val_rows, val_feats, layers, val_prompts(cfg), feature_s, sources)
 
 
 def new_head(cfg: TrainConfig, target: TargetModel, data: TrainData, device, dtype) -> EagleHead:
@@ -734,7 +751,8 @@ def fit(cfg: TrainConfig, head, opt, params, target, data: TrainData, run: Path,
                       "accumulate": cfg.optim.accumulate, "batch_tokens": cfg.optim.batch_tokens}
     lengths = [r[0].shape[0] for r in data.rows]
     per_step = cfg.optim.accumulate * ranks.count  # micro-batches an optimizer step takes, over every process
-    steps_per_epoch = len(make_batches(lengths, cfg.optim.batch_tokens, torch.Generator())) // per_step
+    groups = row_groups(cfg, data)
+    steps_per_epoch = len(make_batches(lengths, cfg.optim.batch_tokens, torch.Generator(), groups)) // per_step
     if steps_per_epoch < 1:
         raise TrainError(f"{len(data.rows)} training rows make fewer batches of optim.batch_tokens "
                          f"{cfg.optim.batch_tokens} than a step takes ({cfg.optim.accumulate} x {ranks.count} "
@@ -756,7 +774,7 @@ def fit(cfg: TrainConfig, head, opt, params, target, data: TrainData, run: Path,
     try:
         while schedule.progress(state) < 1.0:
             batches = make_batches(lengths, cfg.optim.batch_tokens,
-                                   torch.Generator().manual_seed(cfg.seed * 7919 + state["epoch"]))
+                                   torch.Generator().manual_seed(cfg.seed * 7919 + state["epoch"]), groups)
             for b in range(state["batch_in_epoch"], steps_per_epoch):
                 micro = [batches[b * per_step + a * ranks.count + ranks.index] for a in range(cfg.optim.accumulate)]
                 m = train_step(cfg, head, opt, params, target, data, micro, schedule.lr_at(state), state, run, ranks)
