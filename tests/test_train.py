@@ -389,3 +389,13 @@ def test_extra_rows_first_then_the_prepared_ones(tmp_path, target):
     assert train(cfg, target=target)["step"] == 6
     with pytest.raises(TrainError, match="data.order 'raw': expected mixed or extra_first"):
         train(config(tmp_path, "data.order=raw", "budget.max_steps=1"), target=target)
+
+
+def test_cross_entropy_against_the_top_token(tmp_path, target):
+    """`loss.ce_target=argmax`: the cross-entropy scores p's top token alone; the head still learns it."""
+    write_prepared(tmp_path / "data", target)
+    train(config(tmp_path, "budget.max_steps=40", "loss.ce_target=argmax", "loss.ce_weight=1.0"), target=target)
+    acc = [r["acc"] for r in map(json.loads, (tmp_path / "run/log.jsonl").read_text().splitlines()) if "acc" in r]
+    assert sum(acc[-5:]) / 5 > sum(acc[:5]) / 5 + 0.2
+    with pytest.raises(TrainError, match="loss.ce_target 'q': expected p or argmax"):
+        train(config(tmp_path, "loss.ce_target=q", "budget.max_steps=1"), target=target)

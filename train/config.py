@@ -79,6 +79,9 @@ class OptimConfig:
 class LossConfig:
     feature_weight: float = 1.0  # smooth-L1 on the next feature (EAGLE-1/2 heads only; EAGLE-3 uses CE alone)
     ce_weight: float = 0.1  # cross-entropy against the target's distribution
+    # "p": the cross-entropy's target is the target's whole distribution p; "argmax": p's top token alone (the one
+    # greedy verification accepts), so the head's capacity goes to ranking that token first
+    ce_target: str = "p"
     noise: float = 0.2  # width of the uniform noise added to input features (EAGLE: U(-0.1, 0.1))
     # Unrolled draft steps: step s reads the head's own step s-1 predictions as features, attending to the true
     # features before them as when drafting (EAGLE-3's training-time test). Step s is weighted step_decay^(s-1).

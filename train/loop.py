@@ -287,7 +287,7 @@ def head_loss(head: EagleHead, ids, mask, feats, cfg: TrainConfig, gen, noise: b
     """The draft loss on one batch; `feats` holds the target's last features, then (EAGLE-3) its fused layers.
 
     EAGLE-1/2: predict feature t+1 from (feature t, token t+1); smooth-L1 on the feature plus ce_weight x CE
-    against the target's p. EAGLE-3: CE alone, over the draft vocabulary; positions whose next token lies
+    against the target's p (or p's top token, `loss.ce_target`). EAGLE-3: CE alone, over the draft vocabulary; positions whose next token lies
     outside it are not scored (the data is the target's own greedy text, so that token is the target's argmax).
     Scored where token t+2 is an assistant token. `noise=False` (validation) feeds the features as drafting does,
     without the training noise. With `loss.steps` > 1 the head is unrolled on its own outputs
@@ -317,7 +317,10 @@ def head_loss(head: EagleHead, ids, mask, feats, cfg: TrainConfig, gen, noise: b
         with torch.no_grad():
             p = F.softmax(head.target_logits(want).float(), dim=-1)  # float32 even when the products run in bfloat16
         log_q = F.log_softmax(head.logits(out).float(), dim=-1)
-        ce = -(p * log_q).sum(-1).mean()
+        if cfg.loss.ce_target == "argmax":
+            ce = F.nll_loss(log_q, p.argmax(-1))
+        else:
+            ce = -(p * log_q).sum(-1).mean()
         if eagle3:
             step_loss = ce
         else:
@@ -597,6 +600,8 @@ def check_config(cfg: TrainConfig) -> None:
         raise TrainError(f"model.head_type {cfg.model.head_type!r}: expected eagle1 or eagle3")
     if cfg.data.order not in ("mixed", "extra_first"):
         raise TrainError(f"data.order {cfg.data.order!r}: expected mixed or extra_first")
+    if cfg.loss.ce_target not in ("p", "argmax"):
+        raise TrainError(f"loss.ce_target {cfg.loss.ce_target!r}: expected p or argmax")
     if cfg.loss.positions not in ("assistant", "all"):
         raise TrainError(f"loss.positions {cfg.loss.positions!r}: expected assistant or all")
     if cfg.model.num_layers < 1 or (cfg.model.head_type == "eagle3" and cfg.model.num_layers != 1):
