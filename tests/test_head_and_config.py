@@ -80,8 +80,10 @@ def test_the_smollm2_presets_differ_only_in_the_head():
     assert (e1.model.head_type, e3.model.head_type) == ("eagle1", "eagle3")
     e3.model.head_type, e3.model.feature_layers = e1.model.head_type, e1.model.feature_layers
     assert e1.model == e3.model
-    for key in ("noise", "positions"):
-        assert getattr(e1.loss, key) == getattr(e3.loss, key)
+    assert e1.loss.noise == e3.loss.noise
+    # the EAGLE-1 preset scores prompt positions too (measured for EAGLE-1 only: BENCHMARKS.md); a comparison of the
+    # two heads sets loss.positions alike
+    assert (e1.loss.positions, e3.loss.positions) == ("all", "assistant")
 
 
 def test_overrides_are_typed_and_unknown_keys_rejected(tmp_path):
