@@ -104,7 +104,8 @@ def main() -> None:
     for r in sorted(results.values(), key=lambda r: (r["recipe"], r["budget_min"])):
         c, d = r["chain3"], r["dynamic"]
         data_min = r.get("prep_min", prep or 0.0)
-        print(f"| {r['recipe']} | {data_min:.0f} + {r['budget_min']:g} | {r['steps']} | {r['sim_tau']:.2f} | {c['tau']:.2f} | "
+        print(f"| {r['recipe']} | {data_min:.0f} + {r['budget_min']:g} | {r['steps']} | {r['sim_tau']:.2f} | "
+              f"{c['tau']:.2f} | "
               + " / ".join(f"{a:.2f}" for a in c["acceptance_per_position"])
               + f" | {d['tau']:.2f} | {d['tau'] / c['tau']:.2f}x |")
     plot(results, root / "curve.png")

@@ -69,13 +69,13 @@ def _reply_grams(ids: torch.Tensor, mask: torch.Tensor, n: int) -> set[tuple[int
     return {tuple(a[i:i + n]) for i in range(len(a) - n + 1)}
 
 
-def drop_val_rows(rows, feats, val_rows, max_shared: float = 0.5, n: int = 8, sources: list[int] | None = None):
-    """Training rows (and their features, if cached) less those that repeat a validation row, and how many were
-    left out. A training row repeats a validation row when it is identical to it, or when its assistant text holds
-    at least `max_shared` of the validation row's distinct assistant n-grams: ShareGPT asks the same thing in other
-    words ("continue" and "continue please" get the very same regenerated reply). Prepared shards are split on their
+def repeat_free(rows, val_rows, max_shared: float = 0.5, n: int = 8) -> list[int]:
+    """The indices of the training rows that repeat no validation row. A training row repeats a validation row when
+    it is identical to it, or when its assistant text holds at least `max_shared` of the validation row's distinct
+    assistant n-grams: ShareGPT asks the same thing in other words ("continue" and "continue please" get the very
+    same regenerated reply). Prepared shards are split on their
     own, so a row repeated across shards (or data.extra holding the validation shard's rows) would otherwise be
-    trained on and scored. `sources` (a tag per row) is filtered alike and returned fourth when given."""
+    trained on and scored."""
     held_out = {tuple(ids.tolist()) for ids, _ in val_rows}
     owners: dict[tuple[int, ...], list[int]] = {}  # n-gram -> the validation rows whose replies hold it
     need = []  # shared n-grams that make a training row a repeat of validation row j
@@ -96,11 +96,17 @@ def drop_val_rows(rows, feats, val_rows, max_shared: float = 0.5, n: int = 8, so
                 shared[j] += 1
         return any(c >= need[j] for j, c in enumerate(shared) if c)
 
-    keep = [i for i, (ids, mask) in enumerate(rows) if not repeats(ids, mask)]
-    kept = None if feats is None else feats if len(keep) == len(rows) else \
-        feats.take(keep) if isinstance(feats, FeatureStore) else [feats[i] for i in keep]
-    out = (rows if len(keep) == len(rows) else [rows[i] for i in keep], kept, len(rows) - len(keep))
-    return out if sources is None else (*out, [sources[i] for i in keep])
+    return [i for i, (ids, mask) in enumerate(rows) if not repeats(ids, mask)]
+
+
+def drop_val_rows(rows, feats, val_rows, max_shared: float = 0.5, n: int = 8):
+    """Training rows (and their features, if cached) less those that repeat a validation row (`repeat_free`), and
+    how many were left out."""
+    keep = repeat_free(rows, val_rows, max_shared, n)
+    if len(keep) == len(rows):
+        return rows, feats, 0
+    kept = None if feats is None else feats.take(keep) if isinstance(feats, FeatureStore) else [feats[i] for i in keep]
+    return [rows[i] for i in keep], kept, len(rows) - len(keep)
 
 
 def make_batches(lengths: list[int], batch_tokens: int, gen: torch.Generator,
@@ -287,8 +293,8 @@ def head_loss(head: EagleHead, ids, mask, feats, cfg: TrainConfig, gen, noise: b
     """The draft loss on one batch; `feats` holds the target's last features, then (EAGLE-3) its fused layers.
 
     EAGLE-1/2: predict feature t+1 from (feature t, token t+1); smooth-L1 on the feature plus ce_weight x CE
-    against the target's p (or p's top token, `loss.ce_target`). EAGLE-3: CE alone, over the draft vocabulary; positions whose next token lies
-    outside it are not scored (the data is the target's own greedy text, so that token is the target's argmax).
+    against the target's p (or p's top token, `loss.ce_target`). EAGLE-3: CE alone, over the draft vocabulary;
+    positions whose next token lies outside it are not scored (the data is the target's own greedy text, so that token is the target's argmax).
     Scored where token t+2 is an assistant token. `noise=False` (validation) feeds the features as drafting does,
     without the training noise. With `loss.steps` > 1 the head is unrolled on its own outputs
     (the training-time test, see `unrolled`), step s weighted step_decay^(s-1). p and q are taken over the
@@ -696,7 +702,11 @@ def load_data(cfg: TrainConfig, target: TargetModel, quiet: bool = False) -> Tra
         val_feats = cached_features(target, val_rows, Path(cfg.data.prepared), "val", layers, dtype)
     feature_s = time.perf_counter() - t0
     sources = [s for s, part in enumerate(parts) for _ in part]
-    rows, feats, leaked, sources = drop_val_rows(rows, feats, val_rows, cfg.data.val_overlap, sources=sources)
+    keep = repeat_free(rows, val_rows, cfg.data.val_overlap)
+    leaked = len(rows) - len(keep)
+    if leaked:
+        rows, sources = [rows[i] for i in keep], [sources[i] for i in keep]
+        feats = None if feats is None else feats.take(keep)
     if leaked and not quiet:
         rule = "identical" if cfg.data.val_overlap > 1 else \
             f"identical, or holding >= {cfg.data.val_overlap:.0%} of its reply's 8-grams"
