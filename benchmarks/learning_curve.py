@@ -11,7 +11,8 @@ or budgets can be added later. Each head is decoded on `--num-prompts` MT-bench 
 (greedy, `--max-new-tokens`): a chain of 3 (tau and per-position acceptance) and the dynamic tree `--dynamic`
 (tau), beside the simulated tau of its last validation (every held-out row, `train.loop.validate`). The data's
 preparation minutes (regeneration included) are read from the summary.json of `--data` and of every `data.extra`
-folder a recipe adds, and shown beside the training minutes.
+folder a recipe adds, plus the minutes training spent computing features prep did not leave, and shown beside the
+training minutes.
 
 Prints a Markdown table, writes `--out/curve.json` and `--out/curve.png` (tau against training minutes, one line per
 recipe), and prints the JSON as its last line.
@@ -54,7 +55,8 @@ def train_at(name: str, config: str, overrides: list[str], minutes: float, data:
     t0 = time.perf_counter()
     state = train(cfg)
     prep = [prep_minutes(Path(d)) for d in [cfg.data.prepared, *cfg.data.extra]]
-    return {"head": str(run / "head"), "prep_min": sum(m or 0.0 for m in prep),
+    # the feature pass training made for rows prep left without features (raw rows) counts as preparation
+    return {"head": str(run / "head"), "prep_min": sum(m or 0.0 for m in prep) + state.get("feature_s", 0.0) / 60,
             "train_min": state["train_s"] / 60, "steps": state["step"],
             "tokens": state["tokens"], "sim_tau": state["best_tau"], "wall_min": (time.perf_counter() - t0) / 60}
 
@@ -120,14 +122,18 @@ def plot(results: dict, path: Path) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         return
-    fig, ax = plt.subplots(figsize=(6, 3.6))
-    for name in sorted({r["recipe"] for r in results.values()}):
+    fig, ax = plt.subplots(figsize=(7.5, 3.6))
+    names = sorted({r["recipe"] for r in results.values()})
+    colors = plt.get_cmap("tab10" if len(names) <= 10 else "tab20")
+    for i, name in enumerate(names):  # one colour a recipe: the chain solid, the dynamic tree dashed
         rows = sorted((r for r in results.values() if r["recipe"] == name), key=lambda r: r["budget_min"])
-        ax.plot([r["budget_min"] for r in rows], [r["chain3"]["tau"] for r in rows], "o-", label=f"{name} chain 3")
-        ax.plot([r["budget_min"] for r in rows], [r["dynamic"]["tau"] for r in rows], "o--", label=f"{name} dynamic")
+        x = [r["budget_min"] for r in rows]
+        ax.plot(x, [r["chain3"]["tau"] for r in rows], "o-", color=colors(i), label=name)
+        ax.plot(x, [r["dynamic"]["tau"] for r in rows], "s--", color=colors(i), alpha=0.6)
     ax.set_xlabel("training minutes")
     ax.set_ylabel("tau (20 MT-bench prompts)")
-    ax.legend(fontsize=8)
+    ax.set_title("chain of 3 (solid), dynamic tree (dashed)", fontsize=9)
+    ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

@@ -62,3 +62,12 @@ def full_float32_matmuls(device: torch.device) -> None:
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
+
+
+def native_bfloat16(device: torch.device) -> bool:
+    """Whether `device` multiplies bfloat16 natively (so a bfloat16 pass is faster than a float32 one): a GPU, or a CPU
+    with AMX tiles or AVX-512 BF16 (oneDNN's bfloat16 products); an AVX2-only CPU only emulates them."""
+    if device.type != "cpu":
+        return device.type == "cuda"
+    checks = [getattr(torch.cpu, name, None) for name in ("_is_amx_tile_supported", "_is_avx512_bf16_supported")]
+    return any(check is not None and check() for check in checks)

@@ -399,3 +399,45 @@ def test_cross_entropy_against_the_top_token(tmp_path, target):
     assert sum(acc[-5:]) / 5 > sum(acc[:5]) / 5 + 0.2
     with pytest.raises(TrainError, match="loss.ce_target 'q': expected p or argmax"):
         train(config(tmp_path, "loss.ce_target=q", "budget.max_steps=1"), target=target)
+
+
+def test_feature_pass_in_bfloat16_for_rows_without_features(tmp_path, target):
+    """`data.feature_pass=bfloat16`: rows the target left features for (prep's, from regeneration) keep those exact
+    ones; rows with none (raw rows) get a bfloat16 copy's, stored under that copy's identity, never the target's;
+    held-out rows always the target's own; `target` computes them all with the target itself; `auto` is bfloat16
+    where the CPU multiplies it natively."""
+    from eagle.device import native_bfloat16
+    from eagle.features import FeatureStore, features_dir
+    from train.loop import batch_features, cached_features, feature_pass_target, load_data, load_rows
+
+    write_prepared(tmp_path / "data", target)
+    write_prepared(tmp_path / "extra", target, rows=16, seed=1)
+    base = config(tmp_path)
+    own = cached_features(target, load_rows(base, "train", str(tmp_path / "data")), tmp_path / "data", "train")
+    cfg = config(tmp_path, f"data.extra={tmp_path / 'extra'}", "data.feature_pass=bfloat16", "budget.max_steps=3")
+    copy = feature_pass_target(cfg, target)()
+    assert copy.dtype == torch.bfloat16 and copy.identity != target.identity and target.dtype == torch.float32
+    data = load_data(cfg, target, quiet=True)
+    assert sorted(data.sources) == [0] * 20 + [1] * 12
+    for i, (ids, _) in enumerate(data.val_rows):  # held-out rows: the target's own, for an exact simulated tau
+        assert torch.equal(data.val_feats[i], batch_features(target, ids[None])[0])
+    for i, (ids, _) in enumerate(data.rows):
+        wanted = (own[i] if data.sources[i] == 0 else batch_features(copy, ids[None])[0])
+        assert torch.equal(data.feats[i], wanted)
+        if data.sources[i] == 1:  # close to, not equal to, the float32 target's own
+            exact = batch_features(target, ids[None])[0]
+            assert not torch.equal(wanted, exact)
+            assert torch.nn.functional.cosine_similarity(wanted, exact, dim=-1).min() > 0.99
+    lengths = [r[0].shape[0] for r in load_rows(cfg, "train", str(tmp_path / "extra"))]
+    assert FeatureStore.open(features_dir(tmp_path / "extra", "train", copy), lengths) is not None
+    assert FeatureStore.open(features_dir(tmp_path / "extra", "train", target), lengths) is None
+    assert train(cfg, target=target)["step"] > 0  # and it trains on them
+    # `target`: the extra rows' features from the target itself
+    exact = load_data(config(tmp_path, f"data.extra={tmp_path / 'extra'}"), target, quiet=True)
+    i = data.sources.index(1)
+    assert torch.equal(exact.feats[i], batch_features(target, exact.rows[i][0][None])[0])
+    auto = feature_pass_target(config(tmp_path, "data.feature_pass=auto"), target)
+    assert (auto is not None) == native_bfloat16(target.device)
+    assert feature_pass_target(config(tmp_path, "data.feature_pass=bfloat16"), copy) is None  # already bfloat16
+    with pytest.raises(TrainError, match="data.feature_pass 'fp8': expected target, bfloat16 or auto"):
+        train(config(tmp_path, "data.feature_pass=fp8", "budget.max_steps=1"), target=target)

@@ -58,6 +58,12 @@ class DataConfig:
     # the cached features' dtype: float32, or bfloat16 / float16 for half the memory and disk (an EAGLE-3 head's
     # over 2M SmolLM2 tokens: 19 GB in float32); batches are float32 either way
     feature_dtype: str = "float32"
+    # the precision the target computes missing features in: "target" (as loaded: model.dtype), "bfloat16" (a
+    # bfloat16 copy of the target: ~3x the tokens/s on a CPU with AMX; features within ~2 % of float32 ones), or
+    # "auto" (bfloat16 on a CPU that multiplies it natively, AMX or AVX-512 BF16, else the target as loaded). Stores
+    # the target itself wrote (e.g. prep's, from regeneration) are used first; held-out rows always get the target's
+    # own, so the simulated tau stays exact.
+    feature_pass: str = "target"
     # a training row is left out when it holds this share of a validation row's distinct reply 8-grams (a near
     # repeat: same reply to a reworded prompt), as well as when it is identical to one; above 1: identical only
     val_overlap: float = 0.5

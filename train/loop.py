@@ -16,12 +16,14 @@ along every held-out row, `batch_accepts`) is exported to `out`.
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
 import shutil
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -36,7 +38,7 @@ from eagle import EagleHead, HeadCache, HeadConfig, TargetModel, load_target
 from eagle.checkpoint import check_head_dir, fsync_path, recover_dir, replace_dir, save_head
 from eagle.features import DTYPES as FEATURE_DTYPES, FeatureError, FeatureStore, FeatureWriter, check_room, features_dir
 from eagle.configio import save_config
-from eagle.device import resolve_device, resolve_dtype
+from eagle.device import native_bfloat16, resolve_device, resolve_dtype
 from eagle.head import eagle3_layers, load_head, make_head
 from train.config import TrainConfig
 from train.parallel import Ranks, average_gradients
@@ -157,22 +159,21 @@ def collate(rows, feats, idx: list[int], target: TargetModel | None = None, laye
 
 
 def cached_features(target: TargetModel, rows, prepared: Path, split: str, layers: list[int] | None = None,
-                    dtype: torch.dtype = torch.float32) -> FeatureStore:
+                    dtype: torch.dtype = torch.float32,
+                    pass_target: Callable[[], TargetModel] | None = None) -> FeatureStore:
     """Target features of every row, kept in `dtype` in a store beside the prepared rows (eagle.features: shards
     written as they are computed, read a row at a time) so later runs on the same data skip the pass; prep leaves
     float32 ones there when regeneration computed them already. Its size is printed, and checked against the free
-    disk, before anything is written; a pass killed midway resumes after its last complete shard."""
-    folder = features_dir(prepared, split, target, layers, dtype)
+    disk, before anything is written; a pass killed midway resumes after its last complete shard.
+
+    `pass_target` (a callable returning a TargetModel, e.g. a bfloat16 copy) computes the features when `target`
+    has none stored for these rows; its store is keyed by its own identity, so it never passes for `target`'s."""
     lengths = [r[0].shape[0] for r in rows]
-    store = FeatureStore.open(folder, lengths)
-    if store is None and dtype != torch.float32:  # a float32 store of the same rows, converted
-        wide = FeatureStore.open(features_dir(prepared, split, target, layers), lengths)
-        if wide is not None:
-            check_room(folder, sum(lengths) * wide.width * dtype.itemsize, f"target features ({split})")
-            with FeatureWriter(folder, lengths, wide.width, dtype) as w:
-                for i in w.missing():
-                    w.add(i, wide[i])
-            store = FeatureStore.open(folder, lengths)
+    store = _stored_features(target, lengths, prepared, split, layers, dtype)
+    if store is None and pass_target is not None:
+        target = pass_target()
+        store = _stored_features(target, lengths, prepared, split, layers, dtype)
+    folder = features_dir(prepared, split, target, layers, dtype)
     if store is None:
         width = target.hidden_size * (1 + len(layers or []))
         with FeatureWriter(folder, lengths, width, dtype) as w:
@@ -187,6 +188,22 @@ def cached_features(target: TargetModel, rows, prepared: Path, split: str, layer
     if store is None:  # written whole just now, yet unreadable: the disk or another writer, not this pass
         raise FeatureError(f"target features ({split}): the store in {str(folder)!r} was written but cannot be read "
                            "back; check the disk, delete the folder and run again")
+    return store
+
+
+def _stored_features(target: TargetModel, lengths: list[int], prepared: Path, split: str, layers: list[int] | None,
+                     dtype: torch.dtype) -> FeatureStore | None:
+    """`target`'s complete store of these rows in `dtype`, or its float32 one converted to `dtype`, or None."""
+    folder = features_dir(prepared, split, target, layers, dtype)
+    store = FeatureStore.open(folder, lengths)
+    if store is None and dtype != torch.float32:  # a float32 store of the same rows, converted
+        wide = FeatureStore.open(features_dir(prepared, split, target, layers), lengths)
+        if wide is not None:
+            check_room(folder, sum(lengths) * wide.width * dtype.itemsize, f"target features ({split})")
+            with FeatureWriter(folder, lengths, wide.width, dtype) as w:
+                for i in w.missing():
+                    w.add(i, wide[i])
+            store = FeatureStore.open(folder, lengths)
     return store
 
 
@@ -616,6 +633,8 @@ def check_config(cfg: TrainConfig) -> None:
         raise TrainError(f"loss.unroll_fraction {cfg.loss.unroll_fraction}: expected a fraction in (0, 1]")
     if not (cfg.budget.max_steps or cfg.budget.minutes or cfg.budget.epochs):
         raise TrainError("set a budget: budget.max_steps, budget.minutes or budget.epochs")
+    if cfg.data.feature_pass not in ("target", "bfloat16", "auto"):
+        raise TrainError(f"data.feature_pass {cfg.data.feature_pass!r}: expected target, bfloat16 or auto")
     if cfg.data.feature_dtype not in FEATURE_DTYPES:
         raise TrainError(f"data.feature_dtype {cfg.data.feature_dtype!r}: expected one of {', '.join(FEATURE_DTYPES)}")
     resolve_device(cfg.device), resolve_dtype(cfg.model.dtype)  # one-line DeviceErrors
@@ -697,8 +716,10 @@ def load_data(cfg: TrainConfig, target: TargetModel, quiet: bool = False) -> Tra
     feats = val_feats = None
     if not cfg.data.online:
         dtype = getattr(torch, cfg.data.feature_dtype)
-        feats = FeatureStore.concat([cached_features(target, part, Path(src), "train", layers, dtype)
+        other = feature_pass_target(cfg, target)
+        feats = FeatureStore.concat([cached_features(target, part, Path(src), "train", layers, dtype, other)
                                      for src, part in zip(sources, parts)])
+        # held-out rows always by the target itself: the simulated tau they give equals real decoding's
         val_feats = cached_features(target, val_rows, Path(cfg.data.prepared), "val", layers, dtype)
     feature_s = time.perf_counter() - t0
     sources = [s for s, part in enumerate(parts) for _ in part]
@@ -712,6 +733,22 @@ def load_data(cfg: TrainConfig, target: TargetModel, quiet: bool = False) -> Tra
             f"identical, or holding >= {cfg.data.val_overlap:.0%} of its reply's 8-grams"
         print(f"left out {leaked} training rows that repeat a validation row of {cfg.data.prepared} ({rule})")
     return TrainData(rows, feats, val_rows, val_feats, layers, val_prompts(cfg), feature_s, sources)
+
+
+def feature_pass_target(cfg: TrainConfig, target: TargetModel) -> Callable[[], TargetModel] | None:
+    """None when `data.feature_pass` leaves the feature pass to the target as loaded; else a callable that makes (once,
+    when a store is missing) the bfloat16 copy of the target that computes it."""
+    want = cfg.data.feature_pass
+    if want == "target" or target.dtype == torch.bfloat16 or (want == "auto" and not native_bfloat16(target.device)):
+        return None
+    made: list[TargetModel] = []
+
+    def make() -> TargetModel:
+        if not made:
+            made.append(TargetModel(target.name, copy.deepcopy(target.model).to(torch.bfloat16), target.tokenizer,
+                                    target.source))
+        return made[0]
+    return make
 
 
 def new_head(cfg: TrainConfig, target: TargetModel, data: TrainData, device, dtype) -> EagleHead:
@@ -764,6 +801,7 @@ def fit(cfg: TrainConfig, head, opt, params, target, data: TrainData, run: Path,
     state = state or {"step": 0, "epoch": 0, "batch_in_epoch": 0, "train_s": 0.0, "best_tau": -1.0,
                       "tokens": 0, "done": False, "num_processes": ranks.count,
                       "accumulate": cfg.optim.accumulate, "batch_tokens": cfg.optim.batch_tokens}
+    state["feature_s"] = state.get("feature_s", 0.0) + data.feature_s  # every pass this run made, resumed ones too
     lengths = [r[0].shape[0] for r in data.rows]
     per_step = cfg.optim.accumulate * ranks.count  # micro-batches an optimizer step takes, over every process
     groups = row_groups(cfg, data)
