@@ -17,6 +17,7 @@ along every held-out row, `batch_accepts`) is exported to `out`.
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import math
 import os
@@ -311,7 +312,8 @@ def head_loss(head: EagleHead, ids, mask, feats, cfg: TrainConfig, gen, noise: b
 
     EAGLE-1/2: predict feature t+1 from (feature t, token t+1); smooth-L1 on the feature plus ce_weight x CE
     against the target's p (or p's top token, `loss.ce_target`). EAGLE-3: CE alone, over the draft vocabulary;
-    positions whose next token lies outside it are not scored (the data is the target's own greedy text, so that token is the target's argmax).
+    positions whose next token lies outside it are not scored (the data is the target's own greedy text, so that
+    token is the target's argmax).
     Scored where token t+2 is an assistant token. `noise=False` (validation) feeds the features as drafting does,
     without the training noise. With `loss.steps` > 1 the head is unrolled on its own outputs
     (the training-time test, see `unrolled`), step s weighted step_decay^(s-1). p and q are taken over the
@@ -741,14 +743,8 @@ def feature_pass_target(cfg: TrainConfig, target: TargetModel) -> Callable[[], T
     want = cfg.data.feature_pass
     if want == "target" or target.dtype == torch.bfloat16 or (want == "auto" and not native_bfloat16(target.device)):
         return None
-    made: list[TargetModel] = []
-
-    def make() -> TargetModel:
-        if not made:
-            made.append(TargetModel(target.name, copy.deepcopy(target.model).to(torch.bfloat16), target.tokenizer,
-                                    target.source))
-        return made[0]
-    return make
+    return functools.cache(lambda: TargetModel(target.name, copy.deepcopy(target.model).to(torch.bfloat16),
+                                               target.tokenizer, target.source))
 
 
 def new_head(cfg: TrainConfig, target: TargetModel, data: TrainData, device, dtype) -> EagleHead:
