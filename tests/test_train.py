@@ -2,6 +2,7 @@
 
 import importlib.util
 import json
+import math
 
 import pytest
 import torch
@@ -441,3 +442,34 @@ def test_feature_pass_in_bfloat16_for_rows_without_features(tmp_path, target):
     assert feature_pass_target(config(tmp_path, "data.feature_pass=bfloat16"), copy) is None  # already bfloat16
     with pytest.raises(TrainError, match="data.feature_pass 'fp8': expected target, bfloat16 or auto"):
         train(config(tmp_path, "data.feature_pass=fp8", "budget.max_steps=1"), target=target)
+
+
+def test_validation_reports_the_share_of_target_tokens_in_the_draft_vocabulary(tmp_path, target):
+    """val_in_vocab: of the held-out reply tokens (the target's own greedy tokens, so its argmax at every scored
+    position), the share the reduced draft vocabulary holds; a first draft can be accepted only there."""
+    write_prepared(tmp_path / "data", target)
+    train(config(tmp_path, "budget.max_steps=2", "model.draft_vocab=40", "loss.positions=assistant"), target=target)
+    d2t = EagleHead.from_pretrained(tmp_path / "head").d2t
+    val = [json.loads(l) for l in (tmp_path / "data/val.jsonl").read_text().splitlines()]
+    reply = torch.tensor([t for r in val for t, m in zip(r["input_ids"], r["loss_mask"]) if m])
+    want = torch.isin(reply, d2t).float().mean().item()
+    log = [json.loads(l) for l in (tmp_path / "run/log.jsonl").read_text().splitlines()]
+    assert 0 < want < 1
+    assert [r["val_in_vocab"] for r in log if "val_in_vocab" in r] == [pytest.approx(want)]
+
+
+def test_log_acceptance_loss(tmp_path, target):
+    """`loss.divergence=lk`: the distribution term is -log sum_x min(p, q), the log of the acceptance rate sampled
+    verification would give (LK losses); training on it raises that rate, and the head learns p's top token."""
+    write_prepared(tmp_path / "data", target)
+    train(config(tmp_path, "budget.max_steps=40", "loss.divergence=lk", "loss.ce_weight=1.0"), target=target)
+    log = [json.loads(l) for l in (tmp_path / "run/log.jsonl").read_text().splitlines()]
+    alpha = [math.exp(-r["ce"]) for r in log if "ce" in r]
+    acc = [r["acc"] for r in log if "acc" in r]
+    assert all(0 < a <= 1 for a in alpha)
+    assert sum(alpha[-5:]) / 5 > sum(alpha[:5]) / 5 + 0.1
+    assert sum(acc[-5:]) / 5 > sum(acc[:5]) / 5 + 0.03  # (the tiny random target's p is flat: 0.02 -> 0.08)
+    with pytest.raises(TrainError, match="loss.divergence 'tv': expected kl or lk"):
+        train(config(tmp_path, "loss.divergence=tv", "budget.max_steps=1"), target=target)
+    with pytest.raises(TrainError, match="loss.divergence lk compares q with the whole of p; loss.ce_target 'argmax'"):
+        train(config(tmp_path, "loss.divergence=lk", "loss.ce_target=argmax", "budget.max_steps=1"), target=target)

@@ -88,6 +88,10 @@ class LossConfig:
     # "p": the cross-entropy's target is the target's whole distribution p; "argmax": p's top token alone (the one
     # greedy verification accepts), so the head's capacity goes to ranking that token first
     ce_target: str = "p"
+    # the distribution term (weighted ce_weight): "kl", the cross-entropy above (against p: the KL divergence plus a
+    # constant); "lk", minus the log of the acceptance rate sum_x min(p(x), q(x)) that sampled verification gives
+    # (the LK losses' log-acceptance form, arXiv 2602.23881), which aims the head's capacity at acceptance itself
+    divergence: str = "kl"
     noise: float = 0.2  # width of the uniform noise added to input features (EAGLE: U(-0.1, 0.1))
     # Unrolled draft steps: step s reads the head's own step s-1 predictions as features, attending to the true
     # features before them as when drafting (EAGLE-3's training-time test). Step s is weighted step_decay^(s-1).

@@ -311,7 +311,8 @@ def head_loss(head: EagleHead, ids, mask, feats, cfg: TrainConfig, gen, noise: b
     """The draft loss on one batch; `feats` holds the target's last features, then (EAGLE-3) its fused layers.
 
     EAGLE-1/2: predict feature t+1 from (feature t, token t+1); smooth-L1 on the feature plus ce_weight x CE
-    against the target's p (or p's top token, `loss.ce_target`). EAGLE-3: CE alone, over the draft vocabulary;
+    against the target's p (or p's top token, `loss.ce_target`; or -log sum min(p, q), `loss.divergence=lk`; "ce"
+    in the stats is that term). EAGLE-3: that term alone, over the draft vocabulary;
     positions whose next token lies outside it are not scored (the data is the target's own greedy text, so that
     token is the target's argmax).
     Scored where token t+2 is an assistant token. `noise=False` (validation) feeds the features as drafting does,
@@ -342,7 +343,9 @@ def head_loss(head: EagleHead, ids, mask, feats, cfg: TrainConfig, gen, noise: b
         with torch.no_grad():
             p = F.softmax(head.target_logits(want).float(), dim=-1)  # float32 even when the products run in bfloat16
         log_q = F.log_softmax(head.logits(out).float(), dim=-1)
-        if cfg.loss.ce_target == "argmax":
+        if cfg.loss.divergence == "lk":  # -log sum_x min(p, q): the gradient reaches q only where q < p
+            ce = -torch.minimum(p, log_q.exp()).sum(-1).clamp(min=1e-6).log().mean()
+        elif cfg.loss.ce_target == "argmax":
             ce = F.nll_loss(log_q, p.argmax(-1))
         else:
             ce = -(p * log_q).sum(-1).mean()
@@ -391,8 +394,19 @@ def simulate_chain(ok: torch.Tensor, scored: torch.Tensor) -> list[int]:
     return accepts
 
 
+@dataclass
+class SimBatch:
+    """Simulated chain decoding of one batch: the accepted drafts of each round, per row, and how many scored
+    positions there were and at how many the target's token lies in the head's draft vocabulary (a first draft can
+    only be accepted there: the draft vocabulary caps first-position acceptance at in_vocab / scored)."""
+
+    accepts: list[list[int]]
+    scored: int
+    in_vocab: int
+
+
 @torch.no_grad()
-def batch_accepts(head: EagleHead, target: TargetModel, ids, mask, f, k: int) -> list[list[int]]:
+def batch_accepts(head: EagleHead, target: TargetModel, ids, mask, f, k: int) -> SimBatch:
     """`simulate_chain` for each row of one right-padded batch (ids, loss mask, features, as `collate` gives them):
     one unrolled pass of the head; the truth is the target's argmax from its features, so the rows need not be
     the target's own text."""
@@ -407,9 +421,10 @@ def batch_accepts(head: EagleHead, target: TargetModel, ids, mask, f, k: int) ->
     ok = torch.zeros(*scored.shape, k, dtype=torch.bool, device=p.device)
     for s, pred, _ in unrolled(head, head_inputs(head, f), ids[:, 1:], k):
         ok[sel[0], sel[1], s - 1] = head.to_target_ids(head.logits(pred[sel]).argmax(-1)) == truth
+    in_vocab = int(torch.isin(truth, head.d2t).sum()) if head.config.draft_vocab_size else truth.numel()
     ok, scored = ok.cpu(), scored.cpu()
     # padded positions are never scored, so each padded row simulates as the row alone
-    return [simulate_chain(ok[b], scored[b]) for b in range(ids.shape[0])]
+    return SimBatch([simulate_chain(ok[b], scored[b]) for b in range(ids.shape[0])], truth.numel(), in_vocab)
 
 
 def simulated_accepts(head: EagleHead, target: TargetModel, rows, feats, k: int, batch_tokens: int,
@@ -417,7 +432,8 @@ def simulated_accepts(head: EagleHead, target: TargetModel, rows, feats, k: int,
     """Per row, the accepted drafts of each round of chain decoding with k drafts (`batch_accepts`)."""
     out: list[list[int]] = [[] for _ in rows]
     for idx in make_batches([r[0].shape[0] for r in rows], batch_tokens, torch.Generator().manual_seed(0)):
-        for i, accepts in zip(idx, batch_accepts(head, target, *collate(rows, feats, idx, target, layers), k)):
+        sim = batch_accepts(head, target, *collate(rows, feats, idx, target, layers), k)
+        for i, accepts in zip(idx, sim.accepts):
             out[i] = accepts
     return out
 
@@ -512,7 +528,7 @@ def validate(head, target, val_rows, val_feats, prompts, cfg: TrainConfig, ranks
     head.eval()
     gen = torch.Generator().manual_seed(0)
     layers = list(head.config.feature_layer_ids) if head.config.head_type == "eagle3" else None
-    k, accepts, sums = cfg.eval.num_speculative_tokens, [], torch.zeros(3, dtype=torch.float64)
+    k, accepts, sums = cfg.eval.num_speculative_tokens, [], torch.zeros(5, dtype=torch.float64)
     p = next(head.parameters())
     batches = make_batches([r[0].shape[0] for r in val_rows], cfg.optim.batch_tokens, gen)
     with torch.no_grad():
@@ -520,12 +536,17 @@ def validate(head, target, val_rows, val_feats, prompts, cfg: TrainConfig, ranks
             ids, mask, feats = collate(val_rows, val_feats, idx, target, layers)  # online: one target pass
             ids, mask, feats = ids.to(p.device), mask.to(p.device), feats.to(p.device, p.dtype)
             _, m = head_loss(head, ids, mask, feats, cfg, gen, noise=False)
-            sums += torch.tensor([m["loss"] * m["tokens"], m["acc"] * m["tokens"], m["tokens"]], dtype=torch.float64)
-            accepts += [a for row in batch_accepts(head, target, ids, mask, feats, k) for a in row]
+            sim = batch_accepts(head, target, ids, mask, feats, k)
+            sums += torch.tensor([m["loss"] * m["tokens"], m["acc"] * m["tokens"], m["tokens"], sim.in_vocab,
+                                  sim.scored], dtype=torch.float64)
+            accepts += [a for row in sim.accepts for a in row]
     if ranks.count > 1:  # (float64 on the processes' device: NCCL reduces CUDA tensors)
         sums = ranks.sum_(sums.to(p.device)).cpu()
     accepts = [a for part in ranks.gather(accepts) for a in part]
-    stats = {"val_loss": float(sums[0] / max(sums[2], 1)), "val_acc": float(sums[1] / max(sums[2], 1))}
+    # val_acc is agreement over the draft vocabulary (p renormalised there, as the loss sees it); val_in_vocab is the
+    # share of the target's next tokens inside it, which caps real first-draft acceptance
+    stats = {"val_loss": float(sums[0] / max(sums[2], 1)), "val_acc": float(sums[1] / max(sums[2], 1)),
+             "val_in_vocab": float(sums[3] / max(sums[4], 1))}
     sim = acceptance_stats(accepts, k)
     stats["val_sim_tau"], stats["val_sim_accept"] = sim["tau"], sim["accept"]
     if prompts:
@@ -627,6 +648,11 @@ def check_config(cfg: TrainConfig) -> None:
         raise TrainError(f"data.order {cfg.data.order!r}: expected mixed or extra_first")
     if cfg.loss.ce_target not in ("p", "argmax"):
         raise TrainError(f"loss.ce_target {cfg.loss.ce_target!r}: expected p or argmax")
+    if cfg.loss.divergence not in ("kl", "lk"):
+        raise TrainError(f"loss.divergence {cfg.loss.divergence!r}: expected kl or lk")
+    if cfg.loss.divergence == "lk" and cfg.loss.ce_target != "p":
+        raise TrainError(f"loss.divergence lk compares q with the whole of p; loss.ce_target "
+                         f"{cfg.loss.ce_target!r} does not apply (leave it p)")
     if cfg.loss.positions not in ("assistant", "all"):
         raise TrainError(f"loss.positions {cfg.loss.positions!r}: expected assistant or all")
     if cfg.model.num_layers < 1 or (cfg.model.head_type == "eagle3" and cfg.model.num_layers != 1):
