@@ -50,10 +50,11 @@ def greedy_replies(target, texts: list[str], max_new_tokens: int) -> list[tuple[
 
 @torch.no_grad()
 def first_draft_stats(head, target, replies) -> dict:
-    """Teacher-forced top-1/2/3 agreement, draft-vocabulary coverage and p's top probability over reply tokens 2..N."""
+    """Teacher-forced top-1/2/3 agreement (top-1 also by how sure the target is), draft-vocabulary coverage and p's
+    top probability over reply tokens 2..N."""
     in_vocab = torch.zeros(target.vocab_size, dtype=torch.bool)
     in_vocab[head.d2t if head.config.draft_vocab_size else slice(None)] = True
-    hits, covered, p_top, n = torch.zeros(3), 0, [], 0
+    hits, covered, p_top, top1, held, n = torch.zeros(3), 0, [], [], [], 0
     for prompt, reply in replies:
         ids, f = torch.tensor(prompt + reply.new_ids), reply.features  # f [P + N, H]: f[t] gives token t + 1
         P, N = len(prompt), len(reply.new_ids)
@@ -64,14 +65,25 @@ def first_draft_stats(head, target, replies) -> dict:
         hidden = head(f[None, :-1], ids[None, 1:], torch.arange(len(ids) - 1)[None])[0, t]
         top3 = head.to_target_ids(head.logits(hidden).topk(3, dim=-1).indices)
         want = ids[t + 2]
-        hits += (top3 == want[:, None]).cumsum(-1).clamp(max=1).sum(0).float()
+        agree = (top3 == want[:, None]).cumsum(-1).clamp(max=1)
+        hits += agree.sum(0).float()
+        top1.append(agree[:, 0].float())
         covered += int(in_vocab[want].sum())
+        held.append(in_vocab[want].float())
         p_top.append(torch.softmax(target.logits(f[t + 1]).float(), -1).amax(-1))
         n += len(t)
-    p_top = torch.cat(p_top)
-    return {"tokens": n, "top1": round(float(hits[0]) / n, 4), "top2": round(float(hits[1]) / n, 4),
+    p_top, top1, held = torch.cat(p_top), torch.cat(top1), torch.cat(held)
+    # where the target is unsure, fairly sure and sure of its token: top-1 agreement, and the draft vocabulary's share
+    bands = {}
+    for lo, hi in ((0.0, 0.5), (0.5, 0.9), (0.9, 1.01)):
+        band = (p_top >= lo) & (p_top < hi)
+        bands[f"p_top_{lo}_{hi}"] = {"share": round(float(band.float().mean()), 4),
+                                     "top1": round(float(top1[band].mean()), 4),
+                                     "in_draft_vocab": round(float(held[band].mean()), 4)}
+    return {**bands, "tokens": n, "top1": round(float(hits[0]) / n, 4), "top2": round(float(hits[1]) / n, 4),
             "top3": round(float(hits[2]) / n, 4), "in_draft_vocab": round(covered / n, 4),
-            "p_top_mean": round(float(p_top.mean()), 4), "p_top_below_0.5": round(float((p_top < 0.5).float().mean()), 4)}
+            "p_top_mean": round(float(p_top.mean()), 4), "p_top_below_0.5": round(float((p_top < 0.5).float().mean()), 4),
+            "p_top_above_0.9": round(float((p_top >= 0.9).float().mean()), 4)}
 
 
 def coverage_by_size(target, data: Path, heldout: Path, sizes: list[int], count_rows: int) -> dict:
