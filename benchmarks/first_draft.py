@@ -25,11 +25,11 @@ from pathlib import Path
 import torch
 
 from data_prep.prep import load_examples
-from data_prep.render import render_text
 from data_prep.sources import load_conversations
 from data_prep.vocab import draft_vocabulary
 from eagle import load_target
 from eagle.head import load_head
+from infer import SpeculativeDecoder
 from infer.evaluate import load_prompts
 
 regenerate = importlib.import_module("data_prep.regenerate")  # the module (the package exports a function by its name)
@@ -37,11 +37,11 @@ MT_BENCH = Path(__file__).resolve().parents[1].parent / "shared" / "evaldata" / 
 
 
 def greedy_replies(target, texts: list[str], max_new_tokens: int) -> list[tuple[list[int], "regenerate.Reply"]]:
-    """(prompt ids, reply with features) for each user text that fits in 1,024 prompt tokens."""
+    """(prompt ids, reply with features) for each user text that fits in 1,024 prompt tokens, the text rendered as
+    `eagle eval` renders it (`SpeculativeDecoder.encode`: one user turn in the target's chat template)."""
     tok = target.tokenizer
-    prompts = [tok(render_text(tok, [{"role": "user", "content": t}], add_generation_prompt=True),
-                   add_special_tokens=False)["input_ids"] for t in texts]
-    prompts = [p for p in prompts if len(p) <= 1024]
+    encode = SpeculativeDecoder(target, None).encode
+    prompts = [p for p in map(encode, texts) if len(p) <= 1024]
     pad = tok.pad_token_id if tok.pad_token_id is not None else target.eos_ids[0]
     replies = regenerate.greedy_replies(target, prompts, max_new_tokens, 64, pad, set(target.eos_ids),
                                         keep_features=True)
