@@ -173,6 +173,22 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+class BranchDropout(nn.Module):
+    """Dropout on a residual branch's output while training (GPT-2's residual dropout): a share `p` of the entries
+    zeroed, the rest scaled by 1 / (1 - p). The masks come from `gen` (set with the rate by `EagleHead.set_dropout`
+    before each batch), so a resumed run draws what the uninterrupted one did. Off (p = 0) unless training sets it."""
+
+    def __init__(self):
+        super().__init__()
+        self.p, self.gen = 0.0, None
+
+    def forward(self, y):
+        if not (self.training and self.p):
+            return y
+        keep = torch.rand(y.shape, generator=self.gen, device=self.gen.device if self.gen else "cpu") >= self.p
+        return y * keep.to(y.device, y.dtype) / (1.0 - self.p)
+
+
 class DecoderLayer(nn.Module):
     """A Llama decoder layer; the first one of an EAGLE-1/2 head has no input norm (the fc output feeds attention
     directly), later ones have it."""
@@ -183,11 +199,12 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg)
         self.mlp = MLP(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.dropout = BranchDropout()
 
     def forward(self, x, cos, sin, cache, layer, mask):
         a = x if self.input_layernorm is None else self.input_layernorm(x)
-        h = x + self.self_attn(a, cos, sin, cache, layer, mask)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        h = x + self.dropout(self.self_attn(a, cos, sin, cache, layer, mask))
+        return h + self.dropout(self.mlp(self.post_attention_layernorm(h)))
 
 
 class EagleHead(nn.Module):
@@ -247,6 +264,14 @@ class EagleHead(nn.Module):
             self.fc.weight[:, H:] = torch.eye(H, dtype=self.fc.weight.dtype)
             if self.fc.bias is not None:
                 self.fc.bias.zero_()
+
+    def set_dropout(self, p: float, gen: torch.Generator | None = None) -> None:
+        """Residual dropout of rate `p` in every decoder layer while the head is in training mode, masks drawn from
+        `gen` (0: none; decoding and validation, in eval mode, never drop)."""
+        if not 0.0 <= p < 1.0:
+            raise ValueError(f"dropout {p}: expected 0 <= p < 1")
+        for layer in self.layers:
+            layer.dropout.p, layer.dropout.gen = p, gen
 
     def trainable_state_dict(self) -> dict[str, torch.Tensor]:
         return {k: v for k, v in self.state_dict().items() if not k.startswith(SHARED_PREFIXES)}
@@ -309,11 +334,12 @@ class Eagle3Layer(nn.Module):
         self.self_attn = Attention(cfg, in_dim=2 * cfg.hidden_size)
         self.mlp = MLP(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.dropout = BranchDropout()
 
     def forward(self, emb, x, cos, sin, cache, layer, mask):
         a = torch.cat([self.input_layernorm(emb), self.hidden_norm(x)], dim=-1)
-        h = x + self.self_attn(a, cos, sin, cache, layer, mask)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        h = x + self.dropout(self.self_attn(a, cos, sin, cache, layer, mask))
+        return h + self.dropout(self.mlp(self.post_attention_layernorm(h)))
 
 
 class Eagle3Head(EagleHead):

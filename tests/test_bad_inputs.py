@@ -300,11 +300,12 @@ def test_train_refuses_an_out_that_is_not_a_head_before_training(files, tmp_path
 # -- training configs ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("args, message", [
     (("--config", "missing.yaml"), "config file 'missing.yaml' does not exist"),
-    (("optim.lrr=1",), "unknown config key 'optim.lrr' (known: accumulate, batch_tokens, betas, grad_clip, lr, warmup_steps, "
-                       "weight_decay)"),
+    (("optim.lrr=1",), "unknown config key 'optim.lrr' (known: accumulate, batch_tokens, betas, dropout, grad_clip, lr, "
+                       "warmup_steps, weight_decay)"),
     (("optim.lr",), "override 'optim.lr' is not of the form key=value"),
     (("optim.lr=fast",), "config key 'optim.lr' must be float, got 'fast'"),
     (("budget.max_steps=-5",), "budget.max_steps -5: a budget cannot be negative (0: no limit of that kind)"),
+    (("optim.dropout=1.0", "budget.max_steps=1"), "optim.dropout 1.0: expected a rate >= 0 and < 1"),
     (("optim.lr=-1e-3", "budget.max_steps=1"), "optim.lr -0.001: expected a number >= 0 that float32 holds"),
     (("optim.lr=1e39", "budget.max_steps=1"), "optim.lr 1e+39: expected a number >= 0 that float32 holds"),
     (("budget.max_steps=1", "run_dir=RUN_FILE"), "run_dir 'RUN_FILE' is a file: name a directory for the checkpoints "

@@ -473,3 +473,48 @@ def test_log_acceptance_loss(tmp_path, target):
         train(config(tmp_path, "loss.divergence=tv", "budget.max_steps=1"), target=target)
     with pytest.raises(TrainError, match="loss.divergence lk compares q with the whole of p; loss.ce_target 'argmax'"):
         train(config(tmp_path, "loss.divergence=lk", "loss.ce_target=argmax", "budget.max_steps=1"), target=target)
+
+
+@pytest.mark.parametrize("kind", ["eagle1", "eagle3"])
+def test_residual_dropout_drops_only_while_training(kind):
+    """`set_dropout(p, gen)`: in training mode a share p of each residual branch's entries is zeroed (the rest
+    scaled by 1 / (1 - p)), the masks drawn from `gen` alone; in eval mode (validation, drafting) nothing changes."""
+    from test_eagle3 import eagle3_head
+    from tiny import tiny_head
+
+    head = (eagle3_head if kind == "eagle3" else tiny_head)(tiny_target()).eval()
+    torch.manual_seed(0)
+    width = 32 * (3 if kind == "eagle3" else 1)
+    feats, ids, pos = torch.randn(2, 7, width, dtype=torch.float64), torch.randint(4, 90, (2, 7)), torch.arange(7)[None]
+    plain = head(feats, ids, pos)
+    head.set_dropout(0.5, torch.Generator().manual_seed(3))
+    torch.testing.assert_close(head(feats, ids, pos), plain)  # eval mode: no dropout
+    head.train()
+    a = head(feats, ids, pos)
+    head.set_dropout(0.5, torch.Generator().manual_seed(3))
+    torch.testing.assert_close(head(feats, ids, pos), a)  # the same generator, the same masks
+    assert not torch.allclose(a, plain)
+    drop = head.layers[0].dropout
+    drop.gen = torch.Generator().manual_seed(1)
+    y = drop(torch.ones(100_000, dtype=torch.float64))
+    assert set(y.unique().tolist()) == {0.0, 2.0} and abs(y.mean().item() - 1.0) < 0.02
+    head.set_dropout(0.0)
+    torch.testing.assert_close(head(feats, ids, pos), plain)
+    with pytest.raises(ValueError, match="dropout 1.0: expected 0 <= p < 1"):
+        head.set_dropout(1.0)
+
+
+def test_training_with_dropout_learns_and_repeats_exactly(tmp_path, target):
+    write_prepared(tmp_path / "data", target)
+    runs = [train(config(tmp_path, "budget.max_steps=30", f"optim.dropout={p}", f"run_dir={tmp_path / r}",
+                         f"out={tmp_path / r / 'head'}"), target=target) for r, p in (("a", 0.3), ("b", 0.3), ("c", 0))]
+    assert [r["step"] for r in runs] == [30, 30, 30]
+    log = [json.loads(l) for l in (tmp_path / "a/log.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in log if "loss" in r]
+    assert sum(losses[-5:]) / 5 < 0.85 * sum(losses[:5]) / 5
+    a = EagleHead.from_pretrained(tmp_path / "a/head").trainable_state_dict()
+    b = EagleHead.from_pretrained(tmp_path / "b/head").trainable_state_dict()
+    c = EagleHead.from_pretrained(tmp_path / "c/head").trainable_state_dict()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k])
+    assert not torch.allclose(a["fc.weight"], c["fc.weight"])  # the dropout was applied

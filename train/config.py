@@ -73,6 +73,9 @@ class DataConfig:
 class OptimConfig:
     lr: float = 1e-3
     weight_decay: float = 0.0
+    # residual dropout in the head's decoder layers (attention and MLP outputs) while training, against learning a
+    # few thousand rows by heart (0: none; never while validating or decoding)
+    dropout: float = 0.0
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     warmup_steps: int = 20
     grad_clip: float = 0.5

@@ -326,6 +326,7 @@ def head_loss(head: EagleHead, ids, mask, feats, cfg: TrainConfig, gen, noise: b
     n = T - 1
     last = feats[..., :H]
     x = head_inputs(head, feats, cfg.loss.noise if noise else 0.0, gen)
+    head.set_dropout(cfg.optim.dropout if noise else 0.0, gen)  # after the noise's draws: those stay as they were
     scored = torch.zeros(B, n, dtype=torch.bool, device=mask.device)
     scored[:, :-1] = mask[:, 2:]
     if eagle3:
@@ -672,6 +673,8 @@ def check_config(cfg: TrainConfig) -> None:
         raise TrainError(f"model.init {cfg.model.init!r} is not one of identity, target_last_layer, random")
     if cfg.optim.accumulate < 1:
         raise TrainError(f"optim.accumulate {cfg.optim.accumulate}: expected at least 1 micro-batch a step")
+    if not 0.0 <= cfg.optim.dropout < 1.0:
+        raise TrainError(f"optim.dropout {cfg.optim.dropout}: expected a rate >= 0 and < 1")
     if not 0 <= cfg.optim.lr <= torch.finfo(torch.float32).max:  # else AdamW's step fails with a RuntimeError
         raise TrainError(f"optim.lr {cfg.optim.lr}: expected a number >= 0 that float32 holds")
     negative = [f"budget.{k} {v}" for k, v in vars(cfg.budget).items() if v < 0]
