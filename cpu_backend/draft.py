@@ -64,7 +64,8 @@ def _layer_forward(self: DecoderLayer, x, cos, sin, cache, layer: int, mask):
     """`DecoderLayer.forward` in one C call (the new keys and values written into the cache's buffers in place)
     where it fits, else through its patched parts."""
     attn, norm1, norm2, mlp = self.self_attn, self.input_layernorm, self.post_attention_layernorm, self.mlp
-    if not (LAYER_IN_ONE_CALL and cache is not None and x.shape[0] == 1 and kernel_fits(x, attn.hd)):
+    dropping = self.training and self.dropout.p  # the C call has no dropout: a training-mode head keeps its own
+    if dropping or not (LAYER_IN_ONE_CALL and cache is not None and x.shape[0] == 1 and kernel_fits(x, attn.hd)):
         return type(self).forward(self, x, cos, sin, cache, layer, mask)
     T, past = x.shape[1], cache.length
     k_buf, v_buf = cache.buffers(layer, x, (1, attn.nkv), attn.hd, past, past + T)

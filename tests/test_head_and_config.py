@@ -174,6 +174,35 @@ def test_head_layer_in_c_matches_torch_when_drafting(monkeypatch, layers):
         assert torch.equal(same, want)  # the plain head again
 
 
+@pytest.mark.skipif(not kernels.available(), reason="the C kernel does not build here")
+def test_head_layer_in_c_leaves_a_dropping_head_to_torch(monkeypatch):
+    # the one-call C layer has no dropout: a patched head in training mode with a dropout rate runs the torch layer
+    # (which drops), and in eval mode the C layer again
+    from cpu_backend import draft, fastpath
+    from eagle.head import HeadCache
+
+    target = tiny_target(dtype=torch.float32, hidden=64)
+    head = tiny_head(target)
+    g = torch.Generator().manual_seed(0)
+    feats, ids = torch.randn(1, 5, 64, generator=g), torch.randint(0, 96, (1, 5), generator=g)
+    calls, original = [], kernels.decoder_layer
+    monkeypatch.setattr(kernels, "decoder_layer", lambda *a: calls.append(1) or original(*a))
+    draft.patch(head)
+
+    def run(training: bool) -> torch.Tensor:
+        head.train(training)
+        head.set_dropout(0.5, torch.Generator().manual_seed(1))
+        with torch.inference_mode():
+            return head(feats, ids, torch.arange(5)[None], cache=HeadCache())
+
+    dropped = run(True)
+    assert calls == []
+    kept = run(False)
+    assert len(calls) == 1 and not torch.allclose(dropped, kept)
+    draft.unpatch(head)
+    fastpath.disable_fast_linear(head)
+
+
 def test_two_layer_head_cache_save_load_and_lossless_decoding(tmp_path):
     # a head of two decoder layers (model.num_layers): the cached, step-by-step forward equals one forward over
     # every token, the checkpoint keeps both layers, and decoding with it gives plain greedy's tokens
