@@ -163,6 +163,10 @@ def calibrate(model: nn.Module, repeats: int = 5, run: Callable[[int], float] | 
             for key, times in per_shape.items():
                 plan.timings[key][rows] = times
                 plan.layouts[key][rows] = _choose(times)
+    if run is not None:
+        # unpatched once at the end, not after every row count: unpatching drops the packed weights, and packing
+        # them all again (finding their GGUF codes) took ~20 of a fresh machine's ~100 s calibration
+        _unpatch(model)
     return plan
 
 
@@ -181,7 +185,6 @@ def _time_passes(model, groups, rows: int, repeats: int, run) -> dict[str, float
             seconds = run(rows)
             if r:
                 samples[layout].append(seconds * 1e3)
-    _unpatch(model)
     return {layout: round(statistics.median(v), 3) for layout, v in samples.items()}
 
 
@@ -940,10 +943,14 @@ def enable_fast_linear(model: nn.Module, plan: Plan | None = None, run: Callable
     if hasattr(getattr(model, "config", None), "_attn_implementation"):
         attention.use(model, True)  # before the layers are planned: their one-call paths need this attention
     plan = plan or load_or_calibrate(model, run)
+    by_shape = {}  # one list per weight shape (read only): a calibration patches a model hundreds of times
     for mod in _linears(model):
         # the layout for every row count, looked up once here instead of on every call
-        mod._fast_by_rows = [_fitting(plan.layout(mod.weight, max(rows, 1)), mod.weight)
+        key = (_shape_key(mod.weight), mod.weight.dtype, kernels.supports(mod.weight))
+        if key not in by_shape:
+            by_shape[key] = [_fitting(plan.layout(mod.weight, max(rows, 1)), mod.weight)
                              for rows in range(MAX_ROWS + 1)]
+        mod._fast_by_rows = by_shape[key]
         mod.forward = types.MethodType(_fast_forward, mod)
     _patch_modules(model)
     return plan

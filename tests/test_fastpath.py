@@ -111,6 +111,31 @@ def test_speculative_greedy_equals_plain_greedy_with_fast_linear_on_and_off():
     assert not fast_linear_enabled(double.model)
 
 
+def test_calibration_prefills_its_context_once_and_times_every_pass_after_it(tmp_path, monkeypatch):
+    # a calibration times hundreds of passes over one cached context: prefilling that context anew for every
+    # pass was most of a fresh machine's first-decode calibration
+    monkeypatch.setenv("EAGLE_CACHE", str(tmp_path))  # nothing cached: the calibration runs here
+    target = tiny_target(dtype=torch.float32)
+    dec = SpeculativeDecoder(target, tiny_head(target))
+    lengths, features = [], target.features
+
+    def counted(ids, *args, **kw):
+        lengths.append(ids.shape[1])
+        return features(ids, *args, **kw)
+
+    monkeypatch.setattr(target, "features", counted)
+    assert [dec._calibration_pass(rows, context=16) > 0 for rows in (1, 4, 2)] == [True] * 3
+    assert lengths == [16, 1, 4, 2] and len(dec._calib[0]) == 16 + 2  # each pass cropped away before the next
+    lengths.clear()
+    dec._calib = None
+    monkeypatch.setattr(fastpath, "BUCKETS", (1, 4))  # two row counts are enough to see the passes
+    monkeypatch.setattr(fastpath, "MAX_ROWS", 4)
+    dec.use_fast_path(True)  # calibrates the target by whole passes after a 128-token context
+    assert lengths.count(128) == 1 and set(lengths) == {128, 1, 4} and len(lengths) > 3
+    assert dec._calib is None  # the context cache is not kept once the plan is made
+    assert fast_linear_enabled(target.model)
+
+
 @pytest.mark.skipif(not kernels.available(), reason="the C kernel does not build here")
 def test_gated_and_norm_kernels_match_torch_and_give_each_row_the_same_bits():
     g = torch.Generator().manual_seed(2)
