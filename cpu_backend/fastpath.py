@@ -165,7 +165,7 @@ def calibrate(model: nn.Module, repeats: int = 5, run: Callable[[int], float] | 
                 plan.layouts[key][rows] = _choose(times)
     if run is not None:
         # unpatched once at the end, not after every row count: unpatching drops the packed weights, and packing
-        # them all again (finding their GGUF codes) took ~20 of a fresh machine's ~100 s calibration
+        # them all again (finding their GGUF codes) after each was ~20 % of a fresh machine's calibration
         _unpatch(model)
     return plan
 
@@ -946,7 +946,7 @@ def enable_fast_linear(model: nn.Module, plan: Plan | None = None, run: Callable
     by_shape = {}  # one list per weight shape (read only): a calibration patches a model hundreds of times
     for mod in _linears(model):
         # the layout for every row count, looked up once here instead of on every call
-        key = (_shape_key(mod.weight), mod.weight.dtype, kernels.supports(mod.weight))
+        key = (_shape_key(mod.weight), kernels.supports(mod.weight))  # what the plan and `_fitting` read
         if key not in by_shape:
             by_shape[key] = [_fitting(plan.layout(mod.weight, max(rows, 1)), mod.weight)
                              for rows in range(MAX_ROWS + 1)]

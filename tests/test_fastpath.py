@@ -113,7 +113,7 @@ def test_speculative_greedy_equals_plain_greedy_with_fast_linear_on_and_off():
 
 def test_calibration_prefills_its_context_once_and_times_every_pass_after_it(tmp_path, monkeypatch):
     # a calibration times hundreds of passes over one cached context: prefilling that context anew for every
-    # pass was most of a fresh machine's first-decode calibration
+    # pass was a quarter of a fresh machine's first-decode calibration
     monkeypatch.setenv("EAGLE_CACHE", str(tmp_path))  # nothing cached: the calibration runs here
     target = tiny_target(dtype=torch.float32)
     dec = SpeculativeDecoder(target, tiny_head(target))
