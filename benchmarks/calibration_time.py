@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from eagle.target import cache_root
+from infer import SpeculativeDecoder
 
 
 def main() -> None:
@@ -30,9 +31,7 @@ def main() -> None:
         for part in ("targets", "kernels"):  # reused: only the plans are measured anew
             if (real / part).exists():
                 os.symlink(real / part, Path(tmp) / part)
-        os.environ["EAGLE_CACHE"] = tmp
-        from infer import SpeculativeDecoder
-
+        os.environ["EAGLE_CACHE"] = tmp  # read when a plan or library is looked up, so set before the first
         dec = SpeculativeDecoder.from_pretrained(args.target, args.draft)
         t0 = time.perf_counter()
         dec.use_fast_path(True)
