@@ -1,6 +1,7 @@
-"""The `eagle` command: prep, train, eval, bench, export, check, generate.
+"""The `eagle` command: prep, plan, train, eval, bench, export, check, generate.
 
     eagle prep --target smollm2-135m --data sharegpt --out runs/demo/data --max-rows 300 --regenerate
+    eagle plan --target smollm2-135m --data sharegpt --max-rows 2400 --max-new-tokens 128 --max-length 448
     eagle train --config configs/smollm2-135m-eagle1.yaml budget.minutes=10
     eagle eval --target smollm2-135m --draft runs/demo/head --data prompts.jsonl --out runs/demo/eval
     eagle bench --target smollm2-135m --draft runs/demo/head --data prompts.jsonl --out runs/demo/bench
@@ -9,8 +10,8 @@
     eagle check runs/demo/head-vllm --for vllm            # the loader's rules: names, shapes, dtypes, config keys
     eagle generate --target smollm2-135m --draft runs/demo/head --prompt "Tell me about owls."
 
-Options of prep, eval and bench are the fields of their config dataclasses (PrepConfig, EvalConfig, BenchConfig):
-the defaults live there only. Errors in the input end the command with one line naming the input and the problem.
+Options of prep, plan, eval and bench are the fields of their config dataclasses (PrepConfig, PlanConfig, EvalConfig,
+BenchConfig): the defaults live there only. Errors in the input end the command with one line naming the input and the problem.
 """
 
 from __future__ import annotations
@@ -77,6 +78,12 @@ def cmd_train(args) -> None:
 
     cfg = load_config(TrainConfig, args.config, args.overrides)
     train(cfg)
+
+
+def cmd_plan(args) -> int:
+    from train.plan import PlanConfig, plan_command
+
+    return plan_command(_config_from_args(PlanConfig, args, required=("target",)))
 
 
 def cmd_eval(args) -> None:
@@ -196,6 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
     from infer import DecodeConfig
     from infer.bench import BenchConfig
     from infer.evaluate import EvalConfig
+    from train.plan import PlanConfig
 
     p = argparse.ArgumentParser(prog="eagle", description="Train EAGLE draft heads and decode with them.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -206,6 +214,9 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--config", required=False, default=None)
     st.add_argument("overrides", nargs="*", help="dotted key=value, e.g. optim.lr=1e-4 budget.minutes=5")
     st.set_defaults(func=cmd_train)
+    spl = sub.add_parser("plan", help="disk, host and device memory a prep + training run will need, before it runs")
+    _add_dataclass_args(spl, PlanConfig)
+    spl.set_defaults(func=cmd_plan)
     se = sub.add_parser("eval", help="baseline vs speculative decoding on a prompt set")
     _add_dataclass_args(se, EvalConfig)
     se.set_defaults(func=cmd_eval)

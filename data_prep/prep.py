@@ -8,15 +8,19 @@ Steps: read and normalize conversations (sources.py), optionally rewrite the rep
 (regenerate.py), render each with the target's chat template and mask the assistant tokens (render.py), split
 off a validation set, and write into `out/`. A row regenerated in one turn is not re-rendered: it is the prompt
 ids plus the reply ids exactly as the target read and wrote them, and the features generation computed are
-kept with it (`eagle.features.write_features`).
+kept with it.
 
     train.jsonl, val.jsonl        one {"input_ids": [...], "loss_mask": [...]} per line
     val_conversations.jsonl       the messages of each validation row ({"messages": [...]}), for evaluation prompts
-    features-{split}-*.safetensors  target features of the rows, when regeneration computed them (eagle.features)
+    regenerated/                  one-turn replies and their target features as they were made (data_prep.journal)
+    features-{split}-*/           the target features of each split's rows: an index into regenerated/ (eagle.features)
     summary.json                  counts: rows read, kept, dropped by reason, tokens, masked fraction
     prep_config.yaml              the resolved PrepConfig
 
-Every file is written under a temporary name and renamed, so a killed run never leaves a half-written file.
+Every file is written under a temporary name and renamed, so a killed run never leaves a half-written file. A
+one-turn regeneration writes each reply to `regenerated/` as it is made (features in the target's dtype by
+default, bfloat16 for a bfloat16 target): host memory holds one batch of features, and a stopped run (even by
+SIGKILL) resumes with the replies already written.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -33,11 +38,13 @@ import torch
 import yaml
 from tqdm import tqdm
 
-from data_prep.regenerate import regenerate_with_stats
+from data_prep.journal import Journal
+from data_prep.regenerate import prompt_ids, regenerate_with_stats, user_turns
 from data_prep.render import Example, SkipRow, check_chat_template, render_example
 from data_prep.sources import DataError, first_turns, load_conversations
 from eagle.configio import save_config
-from eagle.features import features_dir, write_features
+from eagle.device import resolve_dtype
+from eagle.features import DTYPES as FEATURE_DTYPES, check_room, default_dtype, features_dir
 
 
 @dataclass
@@ -60,9 +67,11 @@ class PrepConfig:
     seed: int = 0                  # for the train / validation split
     max_turns: int | None = None   # keep the first N assistant turns of each conversation; None keeps all
     overwrite: bool = False        # redo the work even when `out` already holds rows made with this same config
-    # With regenerate and max_turns 1: keep the target features generation computed anyway (features-*.safetensors,
-    # about 2.3 kB per token for SmolLM2), so training skips its own pass over the rows.
+    # With regenerate and max_turns 1: keep the target features generation computed anyway (features-*, about
+    # 2.3 kB per token for SmolLM2 in float32), so training skips its own pass over the rows.
     save_features: bool = True
+    # their dtype on the disk: auto (the target's: bfloat16 for a bfloat16 target), float32, bfloat16, float16
+    feature_dtype: str = "auto"
     device: str = "auto"           # where the target regenerates and computes features: auto, cpu, cuda, cuda:N
     dtype: str = "float32"         # the target's precision: float32, bfloat16, float16
 
@@ -151,6 +160,8 @@ def _check_config(cfg: PrepConfig) -> None:
     if cfg.max_minutes < 0 or (cfg.max_minutes and not cfg.regenerate):
         raise DataError(f"max_minutes {cfg.max_minutes}: bounds regeneration, so it needs regenerate=true and a "
                         f"value >= 0")
+    if cfg.feature_dtype not in ("auto", *FEATURE_DTYPES):
+        raise DataError(f"feature_dtype {cfg.feature_dtype!r}: expected auto or one of {', '.join(FEATURE_DTYPES)}")
     if cfg.regenerate and cfg.max_length <= cfg.max_new_tokens:
         raise DataError(f"max_length {cfg.max_length} leaves no room for a prompt with "
                         f"max_new_tokens {cfg.max_new_tokens}")
@@ -167,11 +178,12 @@ def prepare(cfg: PrepConfig, target=None) -> PrepSummary:
     done = _finished(cfg)
     if done is not None:
         return done
-    if target is None:
-        from eagle.target import load_target
+    from eagle.target import load_target, target_config
 
-        target = load_target(cfg.target, cfg.device, cfg.dtype)
-    tok = target.tokenizer
+    if target is None:  # the tokenizer and config first: the checks below need no weights
+        config, tok = target_config(cfg.target)
+    else:
+        tok = target.tokenizer
     check_chat_template(tok)  # fail before reading any data
 
     convs, src = load_conversations(cfg.data, cfg.max_rows, allow_no_assistant=cfg.regenerate,
@@ -184,20 +196,30 @@ def prepare(cfg: PrepConfig, target=None) -> PrepSummary:
     ended = [None] * len(convs)
     one_turn = cfg.regenerate and cfg.max_turns == 1  # rows are then the generated ids themselves
     single = [None] * len(convs)  # with one_turn: (prompt ids, Reply) per row
+    out = Path(cfg.out)
+    if one_turn and cfg.save_features:  # refuse, before the target loads, features the disk cannot hold
+        hidden = config.get_text_config(decoder=True).hidden_size if target is None else target.hidden_size
+        check_feature_room(cfg, convs, tok, hidden)
+    if target is None:
+        target = load_target(cfg.target, cfg.device, cfg.dtype)
+    journal = open_journal(cfg, target) if one_turn else None
     if cfg.regenerate:
         # A prompt longer than this cannot give a row that surely fits in max_length.
         max_prompt = cfg.max_length - cfg.max_new_tokens
         regen = regenerate_with_stats(target, convs, cfg.max_new_tokens, cfg.regen_batch_size, max_prompt,
-                                      cfg.max_turns, keep_features=cfg.save_features and one_turn,
-                                      max_seconds=cfg.max_minutes * 60 if cfg.max_minutes else None)
+                                      cfg.max_turns, max_seconds=cfg.max_minutes * 60 if cfg.max_minutes else None,
+                                      journal=journal)
         replies, convs, ended = regen.replies, regen.conversations, regen.ended
+        if regen.resumed:
+            print(f"took {regen.resumed:,} replies from {journal.folder} (a stopped run's), generated "
+                  f"{replies - regen.resumed:,}")
         if one_turn:
             single = regen.last_turn
     else:
         convs = [first_turns(c, cfg.max_turns) for c in convs]
 
-    examples, kept_convs, feats = [], [], []
-    for msgs, why, turn in zip(tqdm(convs, desc="render", unit="row"), ended, single):
+    examples, kept_convs, conv_of = [], [], []
+    for c, (msgs, why, turn) in enumerate(zip(tqdm(convs, desc="render", unit="row"), ended, single)):
         if not any(m["role"] == "assistant" for m in msgs):
             dropped[why or "no_assistant"] += 1  # regeneration ended it before its first reply
             continue
@@ -207,7 +229,6 @@ def prepare(cfg: PrepConfig, target=None) -> PrepSummary:
             prompt, reply = turn
             examples.append(Example(input_ids=prompt + reply.new_ids,
                                     loss_mask=[0] * len(prompt) + [1] * len(reply.new_ids)))
-            feats.append(reply.features)
         else:
             try:
                 examples.append(render_example(tok, msgs, cfg.max_length, end_ids=target.eos_ids))
@@ -215,22 +236,21 @@ def prepare(cfg: PrepConfig, target=None) -> PrepSummary:
                 dropped[e.reason] += 1
                 continue
         kept_convs.append(msgs)
+        conv_of.append(c)
     if not examples:
         hint = "; prompt-only rows (turns) need regenerate=true" if dropped["no_assistant"] else ""
         raise DataError(f"data {cfg.data!r}: no usable rows out of {src.rows_read:,} read "
                         f"(dropped: {dict(dropped)}){hint}")
 
     train_idx, val_idx = split_indices(len(examples), cfg.val_fraction, cfg.seed)
-    out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     _write_jsonl(out / "train.jsonl", [dataclasses.asdict(examples[i]) for i in train_idx])
     _write_jsonl(out / "val.jsonl", [dataclasses.asdict(examples[i]) for i in val_idx])
     _write_jsonl(out / "val_conversations.jsonl", [{"messages": kept_convs[i]} for i in val_idx])
-    if one_turn and cfg.save_features:  # every kept row came with its features
-        size = sum(f.numel() * f.element_size() for f in feats)
-        print(f"target features of the regenerated rows: {size / 2**20:,.1f} MiB, to be written beside them")
+    if journal is not None and journal.width:  # every kept row came with its features, in the journal
         for split, idx in (("train", train_idx), ("val", val_idx)):
-            write_features(features_dir(out, split, target), [feats[i] for i in idx])
+            journal.write_store(features_dir(out, split, target, dtype=journal.dtype), [conv_of[i] for i in idx],
+                                [len(examples[i].input_ids) for i in idx])
 
     tokens = sum(len(ex.input_ids) for ex in examples)
     masked = sum(sum(ex.loss_mask) for ex in examples)
@@ -248,6 +268,70 @@ def prepare(cfg: PrepConfig, target=None) -> PrepSummary:
     summary.seconds = time.perf_counter() - t0
     _write_atomic(out / "summary.json", lambda f: json.dump(dataclasses.asdict(summary), f, indent=2))
     return summary
+
+
+def feature_dtype(cfg: PrepConfig, target_dtype: torch.dtype | None = None) -> torch.dtype:
+    """The dtype prep stores features in: `feature_dtype`, or (auto) the target's (`dtype`, as loaded)."""
+    if cfg.feature_dtype != "auto":
+        return getattr(torch, cfg.feature_dtype)
+    return default_dtype(target_dtype or resolve_dtype(cfg.dtype))
+
+
+def check_feature_room(cfg: PrepConfig, convs: list[list[dict]], tokenizer, hidden: int) -> None:
+    """Refuse, in one line naming the bytes needed and free, a one-turn regeneration whose features the disk of
+    `out` cannot hold. Every row is at most `max_length` tokens, so that bound is tried first; only when it does not
+    fit are the prompts rendered and counted (`planned_rows`)."""
+    width = hidden * feature_dtype(cfg).itemsize
+    if len(convs) * cfg.max_length * width * 1.01 <= shutil.disk_usage(nearest_dir(Path(cfg.out))).free:
+        return
+    _, rows = planned_rows(cfg, tokenizer, convs)
+    check_room(Path(cfg.out), sum(rows) * width, "target features of the regenerated rows")
+
+
+def nearest_dir(path: Path) -> Path:
+    return next(p for p in (path, *path.parents) if p.exists())
+
+
+def planned_rows(cfg: PrepConfig, tokenizer, convs: list[list[dict]] | None = None) -> tuple[list[int], list[int]]:
+    """(prompt tokens, row tokens at most) of each row `prepare(cfg)` would make, read, de-duplicated and rendered as
+    it does, without the target: with regeneration each reply counts `max_new_tokens` (replies that end sooner make
+    the rows shorter) and its prompt is the conversation so far (the user turns alone: the replies are not written
+    yet); without, the rendered row itself. `convs`: the conversations, read and de-duplicated already. For `eagle
+    plan` and prep's own check of the disk."""
+    _check_config(cfg)
+    if convs is None:
+        convs, _ = load_conversations(cfg.data, cfg.max_rows, allow_no_assistant=cfg.regenerate,
+                                      skip_rows=cfg.skip_rows)
+        convs, _ = drop_repeats(convs, cfg.max_turns, cfg.regenerate)
+    prompts, rows = [], []
+    for msgs in tqdm(convs, desc="count", unit="row"):
+        try:
+            if cfg.regenerate:
+                head, users = user_turns(msgs)
+                users = users[: cfg.max_turns] if cfg.max_turns else users
+                if not users:
+                    continue
+                first = prompt_ids(tokenizer, head + users[:1], cfg.max_length - cfg.max_new_tokens)
+                whole = prompt_ids(tokenizer, head + users, 1 << 30) if len(users) > 1 else first
+                prompts.append(len(first))
+                rows.append(len(whole) + len(users) * cfg.max_new_tokens)
+            else:
+                n = len(render_example(tokenizer, first_turns(msgs, cfg.max_turns), cfg.max_length).input_ids)
+                prompts.append(0)
+                rows.append(n)
+        except SkipRow:
+            continue
+    return prompts, rows
+
+
+def open_journal(cfg: PrepConfig, target) -> Journal:
+    """`out/regenerated`, the journal of a one-turn regeneration: the replies (and features) a stopped run with the
+    same settings and target wrote are taken from it; with `overwrite`, or other settings, it starts afresh."""
+    dtype = feature_dtype(cfg, target.dtype)
+    decides = ("data", "max_rows", "skip_rows", "max_new_tokens", "max_length", "max_turns", "save_features")
+    key = {"target": target.identity, "feature_dtype": str(dtype), **{k: getattr(cfg, k) for k in decides}}
+    return Journal(Path(cfg.out) / "regenerated", key, target.hidden_size if cfg.save_features else 0, dtype,
+                   fresh=cfg.overwrite)
 
 
 def _finished(cfg: PrepConfig) -> PrepSummary | None:

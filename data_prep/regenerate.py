@@ -21,6 +21,7 @@ import torch
 from tqdm import tqdm
 
 import cpu_backend
+from data_prep.journal import Journal
 from data_prep.render import SkipRow, check_chat_template, render_text
 from eagle.attention import use_gqa_sdpa
 from eagle.target import preallocated_cache
@@ -35,12 +36,23 @@ class RegenResult:
     new_tokens: int = 0              # tokens generated, up to and including the end token
     hit_max_new_tokens: int = 0      # replies cut by max_new_tokens (kept: the text is still the target's)
     ended: list[str | None] = field(default_factory=list)  # per conversation: why it ended early, or None
-    # per conversation: the prompt ids and reply of its last regenerated turn (with features if asked), or None
+    # per conversation: the prompt ids and reply of its last regenerated turn (its features went to the journal), or None
     last_turn: list[tuple[list[int], Reply] | None] = field(default_factory=list)
     seconds: float = 0.0
+    resumed: int = 0                 # replies taken from the journal of a stopped run, not generated again
 
 
-def _user_turns(messages: list[dict]) -> tuple[list[dict], list[dict]]:
+def prompt_ids(tokenizer, messages: list[dict], max_prompt_tokens: int) -> list[int]:
+    """The ids of `messages` rendered with the generation prompt: what the target reads before its reply. SkipRow
+    when the template rejects them, or ("prompt_too_long") when they are longer than `max_prompt_tokens`."""
+    text = render_text(tokenizer, messages, add_generation_prompt=True)
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    if len(ids) > max_prompt_tokens:
+        raise SkipRow("prompt_too_long")
+    return ids
+
+
+def user_turns(messages: list[dict]) -> tuple[list[dict], list[dict]]:
     """(leading system messages, user messages) of a normalized conversation; assistant replies are dropped."""
     head = [m for m in messages[:1] if m["role"] == "system"]
     return head, [m for m in messages if m["role"] == "user"]
@@ -63,7 +75,7 @@ class Reply:
 @torch.inference_mode()
 def greedy_replies(target, prompts: list[list[int]], max_new_tokens: int, batch_size: int, pad_id: int,
                    eos: set[int], keep_features: bool = False, on_reply=None,
-                   deadline: float | None = None) -> list[Reply | None]:
+                   deadline: float | None = None, feature_dtype: torch.dtype | None = None) -> list[Reply | None]:
     """Greedy continuations of token-id prompts, in batches of similar length (left padding).
 
     Our own loop rather than transformers' `generate`: the KV cache is written in place (no copy of the whole
@@ -71,6 +83,11 @@ def greedy_replies(target, prompts: list[list[int]], max_new_tokens: int, batch_
     kept, which saves training a second pass over the same tokens. With 128 rows a step took 0.54 s against
     1.15 s with a concatenating cache (BENCHMARKS.md). `on_reply(i, reply)` is called as each
     prompt's reply is done.
+
+    With `keep_features` the features (in `feature_dtype`, default the target's) come to the host once a step for
+    the whole batch, into one buffer per row of the batch; a finished row's reach `on_reply`, which writes them away
+    (prep's journal), and are kept in the returned replies only when there is no `on_reply`. Host memory then
+    holds the batch's features, whatever the number of prompts.
 
     With a `deadline` (a `time.perf_counter()` value) no batch starts that would end after it if it took as long as
     the previous batch (so a slow machine does not overrun the budget by a whole batch: minutes at batch 128),
@@ -85,6 +102,7 @@ def greedy_replies(target, prompts: list[list[int]], max_new_tokens: int, batch_
     order = [i for c in range(0, len(prompts), chunk)
              for i in sorted(range(c, min(c + chunk, len(prompts))), key=lambda i: len(prompts[i]))]
     dev = target.device
+    fdtype = feature_dtype or target.dtype
     started = None  # when the previous batch started
     for b in range(0, len(order), batch_size):
         if deadline is not None:
@@ -105,7 +123,13 @@ def greedy_replies(target, prompts: list[list[int]], max_new_tokens: int, batch_
         last, _ = target.hidden(ids.to(dev), pos, attn, cache)
         nxt = target.logits(last[:, -1]).argmax(-1)
         new = {i: [] for i in rows}
-        feats = {i: [last[r, width - len(prompts[i]):].float().cpu()] for r, i in enumerate(rows)} if keep_features else {}
+        feats = {}  # per row of the batch: [prompt + max_new_tokens, H] on the host, filled as the tokens come
+        if keep_features:
+            host = last.to("cpu", fdtype)  # one copy for the batch
+            for r, i in enumerate(rows):
+                feats[i] = host.new_zeros(len(prompts[i]) + max_new_tokens, host.shape[-1])
+                feats[i][: len(prompts[i])] = host[r, width - len(prompts[i]):]
+            del host
         pos = pos[:, -1]
         live = list(rows)  # the original index of each batch row
         alive = [True] * len(live)
@@ -117,10 +141,11 @@ def greedy_replies(target, prompts: list[list[int]], max_new_tokens: int, batch_
                 new[i].append(t)
                 if t in eos or len(new[i]) >= max_new_tokens:
                     alive[r] = False
-                    f = torch.cat(feats.pop(i) + [torch.zeros(1, last.shape[-1])]) if keep_features else None
-                    out[i] = Reply(new[i], t in eos, f)
+                    # the last row stays zeros: the last new token is never fed back
+                    f = feats.pop(i)[: len(prompts[i]) + len(new[i])] if keep_features else None
+                    out[i] = Reply(new[i], t in eos, f if on_reply is None else None)
                     if on_reply is not None:
-                        on_reply(i, out[i])
+                        on_reply(i, Reply(new[i], t in eos, f))
             n_alive = sum(alive)
             if n_alive == 0:
                 break
@@ -138,26 +163,32 @@ def greedy_replies(target, prompts: list[list[int]], max_new_tokens: int, batch_
             last, _ = target.hidden(nxt[:, None], pos[:, None], attn, cache)
             nxt = target.logits(last[:, -1]).argmax(-1)
             if keep_features:
+                host = last[:, -1].to("cpu", fdtype)  # one copy a step for the batch
                 for r, i in enumerate(live):
                     if alive[r]:
-                        feats[i].append(last[r].float().cpu())
+                        feats[i][len(prompts[i]) + len(new[i]) - 1] = host[r]
     return out
 
 
 def regenerate_with_stats(target, conversations: list[list[dict]], max_new_tokens: int, batch_size: int = 32,
                           max_prompt_tokens: int = 1024, max_turns: int | None = 1,
-                          keep_features: bool = False, max_seconds: float | None = None) -> RegenResult:
+                          max_seconds: float | None = None, journal: Journal | None = None) -> RegenResult:
     """Like `regenerate`, returning counts too. A conversation whose prompt for turn k is longer than
     `max_prompt_tokens`, that the template rejects, whose reply k is empty, or that `max_seconds` of generation
     did not reach, ends before user turn k (the reason is in `ended`); one that ends before its first reply is
-    returned without any assistant message, and the caller drops it."""
+    returned without any assistant message, and the caller drops it.
+
+    A `journal` (one turn only, `data_prep.journal`) receives every reply as it is made, with its features when the
+    journal has a width; a conversation it already holds is taken from it, not generated again."""
+    if journal is not None and max_turns != 1:
+        raise ValueError(f"a regeneration journal keeps one-turn replies; max_turns is {max_turns}")
     tok = target.tokenizer
     check_chat_template(tok)
     eos = set(target.eos_ids)
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else target.eos_ids[0]
     t0 = time.perf_counter()
 
-    parts = [_user_turns(c) for c in conversations]
+    parts = [user_turns(c) for c in conversations]
     done = [list(head) for head, _ in parts]  # the regenerated conversations, grown turn by turn
     active = [i for i, (_, users) in enumerate(parts) if users]
     result = RegenResult(conversations=done, ended=[None] * len(conversations), last_turn=[None] * len(conversations))
@@ -175,8 +206,15 @@ def regenerate_with_stats(target, conversations: list[list[dict]], max_new_token
         cpu_backend.enable(target.model, gguf=target.source)
     try:
         _regenerate_turns(target, parts, done, active, result, bar, n_turns, max_new_tokens, batch_size,
-                          max_prompt_tokens, pad_id, eos, t0, keep_features,
+                          max_prompt_tokens, pad_id, eos, t0, journal,
                           None if max_seconds is None else t0 + max_seconds)
+    except BaseException:
+        if journal is not None:  # a row may be half written: the open shard's rows are made again next time
+            journal.abort()
+        raise
+    else:
+        if journal is not None:
+            journal.close()
     finally:
         if patched:
             cpu_backend.disable(target.model)
@@ -188,7 +226,7 @@ def regenerate_with_stats(target, conversations: list[list[dict]], max_new_token
 
 
 def _regenerate_turns(target, parts, done, active, result, bar, n_turns, max_new_tokens, batch_size,
-                      max_prompt_tokens, pad_id, eos, t0, keep_features, deadline) -> None:
+                      max_prompt_tokens, pad_id, eos, t0, journal, deadline) -> None:
     tok = target.tokenizer
     with torch.inference_mode():
         for k in range(n_turns):
@@ -199,23 +237,22 @@ def _regenerate_turns(target, parts, done, active, result, bar, n_turns, max_new
                 if k >= len(users):
                     continue
                 try:
-                    text = render_text(tok, done[i] + [users[k]], add_generation_prompt=True)
+                    prompts.append((i, prompt_ids(tok, done[i] + [users[k]], max_prompt_tokens)))
                 except SkipRow as e:
-                    reason = e.reason
-                else:
-                    ids = tok(text, add_special_tokens=False)["input_ids"]
-                    reason = "prompt_too_long" if len(ids) > max_prompt_tokens else None
-                if reason is not None:
-                    result.ended[i] = reason
+                    result.ended[i] = e.reason
                     bar.total -= min(len(users), n_turns) - k
-                    continue
-                prompts.append((i, ids))
             # 2. Generate (batches of similar length); extend each conversation by the user turn and the reply.
             still = []
 
-            def finished(j: int, reply: Reply) -> None:
+            def finished(j: int, reply: Reply, resumed: bool = False) -> None:
                 i = prompts[j][0]
-                result.new_tokens += len(reply.new_ids)
+                if resumed:
+                    result.resumed += 1
+                else:
+                    result.new_tokens += len(reply.new_ids)
+                    if journal is not None:
+                        journal.add(i, prompts[j][1], reply.new_ids, reply.hit_eos, reply.features)
+                        reply = Reply(reply.new_ids, reply.hit_eos)  # the features are on the disk now
                 result.hit_max_new_tokens += not reply.hit_eos
                 text = tok.decode(reply.new_ids, skip_special_tokens=True).strip()
                 users = parts[i][1]
@@ -231,10 +268,22 @@ def _regenerate_turns(target, parts, done, active, result, bar, n_turns, max_new
                 bar.set_postfix(tok_s=f"{result.new_tokens / max(time.perf_counter() - t0, 1e-9):.1f}", turn=k + 1,
                                 refresh=False)
 
-            replies = greedy_replies(target, [ids for _, ids in prompts], max_new_tokens, batch_size, pad_id, eos,
-                                     keep_features and k == n_turns - 1, finished, deadline)
-            for (i, _), reply in zip(prompts, replies):
+            # replies the journal holds (a stopped run's) are taken as they were written
+            known = [j for j, (i, ids) in enumerate(prompts) if journal is not None and i in journal.done
+                     and journal.done[i].prompt == ids]
+            for j in known:
+                row = journal.done[prompts[j][0]]
+                finished(j, Reply(row.new_ids, row.hit_eos), resumed=True)
+            todo = sorted(set(range(len(prompts))) - set(known))
+            keep = journal is not None and journal.width > 0
+            if keep:  # the room their features need at most, before any is made
+                journal.expect(sum(len(prompts[j][1]) + max_new_tokens for j in todo), len(todo))
+            replies = greedy_replies(target, [prompts[j][1] for j in todo], max_new_tokens, batch_size, pad_id, eos,
+                                     keep, lambda t, reply: finished(todo[t], reply), deadline,
+                                     journal.dtype if keep else None)
+            for j, reply in zip(todo, replies):
                 if reply is None:  # the time budget ran out before its batch
+                    i = prompts[j][0]
                     result.ended[i] = "time_budget"
                     bar.total -= min(len(parts[i][1]), n_turns) - k
             active = sorted(still)

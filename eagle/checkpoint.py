@@ -159,12 +159,14 @@ def _remove_head_dir(path: Path) -> None:
     path.rmdir()
 
 
-def save_head(head, path, extra: dict | None = None) -> None:
-    """A head's config (with `extra`, bookkeeping a reader drops) and its own weights into directory `path`."""
+def save_head(head, path, extra: dict | None = None, dtype: torch.dtype | None = None) -> None:
+    """A head's config (with `extra`, bookkeeping a reader drops) and its own weights into directory `path`, the
+    floating-point ones in `dtype` (None: as they are; the d2t / t2d maps stay integers)."""
     cfg = dataclasses.asdict(head.config)
     if extra:
         cfg["extra"] = extra
-    state = {k: v.detach().contiguous().cpu() for k, v in head.trainable_state_dict().items()}
+    state = {k: v.detach().to(dtype if dtype is not None and v.is_floating_point() else v.dtype).contiguous().cpu()
+             for k, v in head.trainable_state_dict().items()}
     write_head_dir(path, cfg, state)
 
 

@@ -10,8 +10,11 @@ at a time, so the features of a data set may be far larger than memory.
 
 A store is a directory of safetensors shards (`shard-NNNNN.safetensors`, about `SHARD_BYTES` each: the rows it
 holds concatenated as one `features` tensor) and an `index.json` naming, for every shard, the rows it holds in
-order. The index is rewritten (temp file, fsync, rename) after each shard is on the disk, so a killed pass resumes
-from its last complete shard and a shard the index does not name is never read. A row is read by mapping just its
+order. Rows go to their shard's file as they come (`ShardFile`: memory holds one row, not a shard); the index is
+rewritten (temp file, fsync, rename) after each shard is whole on the disk, so a killed pass resumes from its last
+complete shard and a shard the index does not name is never read. An index may also name rows of shards elsewhere
+with the token each starts at (`write_index`): a split of `eagle prep`'s rows reads its features where
+regeneration wrote them (data_prep/journal.py), without a copy. A row is read by mapping just its
 bytes of its shard (`numpy.memmap`) and copying them: memory holds the batch at hand, not the store. Features may
 be kept in 16 bits (`dtype`, named in the directory): an EAGLE-3 head's (the last hidden state and three fused
 layers) over 2M SmolLM2 tokens take 19 GB in float32, 9.6 GB in bfloat16.
@@ -29,8 +32,16 @@ import torch
 
 DTYPES = ("float32", "bfloat16", "float16")
 SHARD_BYTES = 256 << 20
+HEADER_ROOM = 504  # header bytes a streamed shard keeps at its start (with the length's 8: rows start at byte 512)
 # safetensors' dtype names, and the numpy type whose bytes a row is read as (bfloat16: its 16 bits, viewed after)
 _ST = {torch.float32: ("F32", np.float32), torch.bfloat16: ("BF16", np.int16), torch.float16: ("F16", np.float16)}
+_ST_EXTRA = {torch.int32: "I32", torch.int64: "I64", torch.uint8: "U8"}
+
+
+def default_dtype(target_dtype: torch.dtype) -> torch.dtype:
+    """The dtype a target's features are stored in unless asked otherwise: the target's own (bfloat16 for a bfloat16
+    target: half the disk of float32, and nothing lost), float32 for any other (float64 test targets)."""
+    return target_dtype if target_dtype in _ST else torch.float32
 
 
 class FeatureError(ValueError):
@@ -56,15 +67,20 @@ def check_room(folder: Path, nbytes: int, what: str) -> None:
                            "them per batch (data.online=true)")
 
 
-def _write_whole(path: Path, data: bytes) -> None:
+def write_whole(path: Path, data: bytes) -> None:
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
     with open(tmp, "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    try:  # the rename itself on the disk, so an index never names a shard a power cut took back
-        d = os.open(path.parent, os.O_RDONLY)
+    _fsync_dir(path.parent)
+
+
+def _fsync_dir(folder: Path) -> None:
+    """A rename in `folder` on the disk, so an index never names a shard a power cut took back."""
+    try:
+        d = os.open(folder, os.O_RDONLY)
     except OSError:
         return
     try:
@@ -75,36 +91,91 @@ def _write_whole(path: Path, data: bytes) -> None:
         os.close(d)
 
 
-def _read_index(folder: Path) -> dict | None:
+def read_index(folder: Path) -> dict | None:
     try:
         return json.loads((folder / "index.json").read_text())
     except (OSError, json.JSONDecodeError):
         return None
 
 
+class ShardFile:
+    """One safetensors shard written as its rows arrive: each row's bytes go to a temporary file at once, after room
+    for the header, which `close` writes when the sizes are known (safetensors lets a header end in spaces); the
+    file takes its name only then, so memory holds one row at a time and a shard is on the disk whole or not at
+    all. Besides `features` [tokens, width], `close` may append small tensors (a journal's ids)."""
+
+    def __init__(self, path: Path, width: int, dtype: torch.dtype):
+        self.path, self.width, self.dtype = Path(path), width, dtype
+        self.tmp = self.path.with_name(self.path.name + f".tmp{os.getpid()}")
+        self.file = open(self.tmp, "wb")
+        self.file.write(b" " * (8 + HEADER_ROOM))
+        self.tokens = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.tokens * self.width * self.dtype.itemsize
+
+    def write(self, feats: torch.Tensor) -> int:
+        """Append rows [n, width]; returns the token they start at."""
+        at = self.tokens
+        flat = feats.detach().to("cpu", self.dtype).contiguous()
+        self.file.write(flat.view(torch.uint8).numpy())  # (bfloat16 has no numpy type; its bytes do)
+        self.tokens += flat.shape[0]
+        return at
+
+    def close(self, extra: dict[str, torch.Tensor] | None = None) -> None:
+        """The extra tensors after the rows, the header in its room, the file flushed and renamed into place."""
+        header, end = {"features": {"dtype": _ST[self.dtype][0], "shape": [self.tokens, self.width],
+                                    "data_offsets": [0, self.nbytes]}}, self.nbytes
+        for name, t in (extra or {}).items():
+            t = t.detach().cpu().contiguous()
+            self.file.write(t.view(torch.uint8).numpy())
+            header[name] = {"dtype": _ST_EXTRA[t.dtype], "shape": list(t.shape),
+                            "data_offsets": [end, end + t.numel() * t.element_size()]}
+            end += t.numel() * t.element_size()
+        text = json.dumps(header, separators=(",", ":")).encode()
+        if len(text) > HEADER_ROOM:
+            self.abort()
+            raise FeatureError(f"shard {str(self.path)!r}: a header of {len(text)} bytes does not fit its room "
+                               f"({HEADER_ROOM})")
+        self.file.seek(0)
+        self.file.write(HEADER_ROOM.to_bytes(8, "little") + text.ljust(HEADER_ROOM))
+        self.file.flush()
+        os.fsync(self.file.fileno())
+        self.file.close()
+        os.replace(self.tmp, self.path)
+        _fsync_dir(self.path.parent)
+
+    def abort(self) -> None:
+        """Drop the unfinished shard."""
+        self.file.close()
+        self.tmp.unlink(missing_ok=True)
+
+
 class FeatureWriter:
     """Writes a store shard by shard; rows arrive in any order (`add`), each shard holds the rows in the order they
-    came. Made over an existing index for the same rows, it keeps its complete shards (`missing` leaves their rows
-    out) and drops files no index names."""
+    came, streamed to the disk as they come (`ShardFile`). Made over an existing index for the same rows, it keeps
+    its complete shards (`missing` leaves their rows out) and drops files no index names. Leaving the `with` block
+    by an exception drops the unfinished shard (its rows are computed again next time)."""
 
     def __init__(self, folder: Path, lengths: list[int], width: int, dtype: torch.dtype,
                  shard_bytes: int | None = None):
         self.folder, self.lengths, self.width, self.dtype = Path(folder), list(lengths), width, dtype
         self.shard_bytes = shard_bytes or SHARD_BYTES
         self.folder.mkdir(parents=True, exist_ok=True)
-        old = _read_index(self.folder)
+        old = read_index(self.folder)
         same = old is not None and old.get("lengths") == self.lengths and old.get("width") == width and \
             old.get("dtype") == str(dtype)
         # a named shard that is cut short or unreadable (a disk error, a copy that stopped) is written again
-        self.shards: list[dict] = [s for s in old["shards"] if _data_offset(self.folder / s["file"]) is not None] \
+        self.shards: list[dict] = [s for s in old["shards"] if data_offset(self.folder / s["file"]) is not None] \
             if same else []
         named = {s["file"] for s in self.shards}
         for f in self.folder.iterdir():  # a shard a killed pass left before its index named it, or a stale store's
             if f.name not in named and f.name != "index.json" and f.name.startswith(("shard-", "index.json.tmp")):
                 f.unlink()
         self.done = {i for s in self.shards for i in s["rows"]}
-        self.pending: list[tuple[int, torch.Tensor]] = []
-        self.pending_bytes = 0
+        self.open: ShardFile | None = None
+        self.open_rows: list[int] = []
 
     def missing(self) -> list[int]:
         return [i for i in range(len(self.lengths)) if i not in self.done]
@@ -113,31 +184,26 @@ class FeatureWriter:
         if feats.shape != (self.lengths[row], self.width):
             raise ValueError(f"feature row {row}: shape {tuple(feats.shape)}, expected "
                              f"({self.lengths[row]}, {self.width})")
-        self.pending.append((row, feats.detach().to("cpu", self.dtype).contiguous()))
-        self.pending_bytes += feats.numel() * self.dtype.itemsize
-        if self.pending_bytes >= self.shard_bytes:
+        if self.open is None:
+            self.open = ShardFile(self.folder / next_shard_name({s["file"] for s in self.shards}), self.width,
+                                  self.dtype)
+        self.open.write(feats)
+        self.open_rows.append(row)
+        if self.open.nbytes >= self.shard_bytes:
             self.flush()
 
     def flush(self) -> None:
-        """The pending rows as one shard on the disk, then the index naming it."""
-        if not self.pending:
+        """The open shard whole on the disk, then the index naming it."""
+        if self.open is None:
             return
-        from safetensors.torch import save
-
-        taken = {s["file"] for s in self.shards}  # (a shard dropped as unreadable leaves a gap in the numbers)
-        name = next(f"shard-{n:05d}.safetensors" for n in range(len(taken) + 1)
-                    if f"shard-{n:05d}.safetensors" not in taken)
-        flat = torch.cat([f for _, f in self.pending])
-        _write_whole(self.folder / name, save({"features": flat}))
-        self.shards.append({"file": name, "rows": [i for i, _ in self.pending]})
-        self.done.update(i for i, _ in self.pending)
-        self.pending, self.pending_bytes = [], 0
+        self.open.close()
+        self.shards.append({"file": self.open.path.name, "rows": self.open_rows})
+        self.done.update(self.open_rows)
+        self.open, self.open_rows = None, []
         self._write_index()
 
     def _write_index(self) -> None:
-        index = {"lengths": self.lengths, "width": self.width, "dtype": str(self.dtype), "shards": self.shards,
-                 "complete": len(self.done) == len(self.lengths)}
-        _write_whole(self.folder / "index.json", json.dumps(index).encode())
+        write_index(self.folder, self.lengths, self.width, self.dtype, self.shards)
 
     def __enter__(self) -> "FeatureWriter":
         return self
@@ -146,21 +212,40 @@ class FeatureWriter:
         if kind is None:
             self.flush()
             self._write_index()
+        elif self.open is not None:
+            self.open.abort()
+            self.open, self.open_rows = None, []
+
+
+def next_shard_name(taken: set[str]) -> str:
+    """The first `shard-NNNNN.safetensors` not in `taken` (a shard dropped as unreadable leaves a gap)."""
+    return next(f"shard-{n:05d}.safetensors" for n in range(len(taken) + 1)
+                if f"shard-{n:05d}.safetensors" not in taken)
+
+
+def write_index(folder: Path, lengths: list[int], width: int, dtype: torch.dtype, shards: list[dict]) -> None:
+    """A store's index, written whole: `shards` name their files (relative to `folder`, which may lead out of it:
+    a split's store can point into prep's journal) and the rows they hold, in order; with `at`, the token each of
+    those rows starts at in its file (a shard shared with other stores), else the rows follow each other."""
+    done = {i for s in shards for i in s["rows"]}
+    index = {"lengths": list(lengths), "width": width, "dtype": str(dtype), "shards": shards,
+             "complete": len(done) == len(lengths)}
+    write_whole(Path(folder) / "index.json", json.dumps(index).encode())
 
 
 class FeatureStore:
     """The rows of complete stores, read one at a time from their shards; `take(rows)` a view of some of them,
-    `concat(stores)` the rows of several (prepared directories read together)."""
+    `concat(stores)` the rows of several (prepared directories read together, each in its own dtype)."""
 
-    def __init__(self, where: list[tuple[Path, int, int]], width: int, dtype: torch.dtype):
-        self.where, self.width, self.dtype = where, width, dtype  # per row: (shard file, byte offset, tokens)
+    def __init__(self, where: list[tuple[Path, int, int, torch.dtype]], width: int):
+        self.where, self.width = where, width  # per row: (shard file, byte offset, tokens, dtype)
 
     @classmethod
     def open(cls, folder: str | Path, lengths: list[int]) -> "FeatureStore | None":
         """The store in `folder`, or None where there is none, it is not complete, or it was made for rows of other
         lengths (then its features are computed again)."""
         folder = Path(folder)
-        index = _read_index(folder)
+        index = read_index(folder)
         if index is None or not index.get("complete") or index.get("lengths") != list(lengths):
             return None
         dtype = getattr(torch, index["dtype"].removeprefix("torch."))
@@ -168,51 +253,62 @@ class FeatureStore:
         where: list = [None] * len(lengths)
         for shard in index["shards"]:
             path = folder / shard["file"]
-            start = _data_offset(path)
+            start = data_offset(path)
             if start is None:
                 print(f"note: feature shard {str(path)!r} is not a readable safetensors file; computing the features "
                       "again")
                 return None
-            for i in shard["rows"]:
-                where[i] = (path, start, lengths[i])
-                start += lengths[i] * row_bytes
-        return cls(where, index["width"], dtype)
+            at = shard.get("at")
+            for j, i in enumerate(shard["rows"]):
+                where[i] = (path, start + (at[j] * row_bytes if at else 0), lengths[i], dtype)
+                if not at:
+                    start += lengths[i] * row_bytes
+        return cls(where, index["width"])
 
     @classmethod
     def concat(cls, stores: list["FeatureStore"]) -> "FeatureStore":
-        return cls([w for s in stores for w in s.where], stores[0].width, stores[0].dtype)
+        widths = {s.width for s in stores}
+        if len(widths) > 1:
+            raise FeatureError(f"feature stores of widths {sorted(widths)} cannot be read together")
+        return cls([w for s in stores for w in s.where], stores[0].width)
+
+    @property
+    def dtype(self) -> torch.dtype | None:
+        """The rows' dtype on the disk (None when stores of several dtypes are read together)."""
+        kinds = {w[3] for w in self.where}
+        return kinds.pop() if len(kinds) == 1 else None
 
     def __len__(self) -> int:
         return len(self.where)
 
     def __getitem__(self, i: int) -> torch.Tensor:
-        path, offset, n = self.where[i]
-        view = np.memmap(path, dtype=_ST[self.dtype][1], mode="r", offset=offset, shape=(n, self.width))
+        path, offset, n, dtype = self.where[i]
+        view = np.memmap(path, dtype=_ST[dtype][1], mode="r", offset=offset, shape=(n, self.width))
         out = torch.from_numpy(np.array(view))  # a copy: the mapping goes with `view`
         del view
-        return out.view(self.dtype) if self.dtype == torch.bfloat16 else out
+        return out.view(dtype) if dtype == torch.bfloat16 else out
 
     def take(self, rows: list[int]) -> "FeatureStore":
-        return FeatureStore([self.where[i] for i in rows], self.width, self.dtype)
+        return FeatureStore([self.where[i] for i in rows], self.width)
 
 
-def _data_offset(path: Path) -> int | None:
+def data_offset(path: Path) -> int | None:
     """Where the `features` tensor's bytes start in a shard (after safetensors' 8-byte length and JSON header), or
     None for a file that is not one or whose size is not the header's (cut short, or grown)."""
     try:
         with open(path, "rb") as f:
             n = int.from_bytes(f.read(8), "little")
             header = json.loads(f.read(n))
-        start, end = header["features"]["data_offsets"]
+        end = max(t["data_offsets"][1] for k, t in header.items() if k != "__metadata__")
         if os.path.getsize(path) != 8 + n + end:
             return None
-        return 8 + n + start
+        return 8 + n + header["features"]["data_offsets"][0]
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
 
 def write_features(folder: Path, feats: list[torch.Tensor], dtype: torch.dtype | None = None) -> None:
-    """A whole store of the rows `feats` (in memory already: prep's regeneration computed them)."""
+    """A whole store of the rows `feats`, held in memory already (small stores: tests, tools)."""
     lengths = [f.shape[0] for f in feats]
     dtype = dtype or feats[0].dtype
     check_room(folder, sum(lengths) * feats[0].shape[1] * dtype.itemsize, f"features for {folder.name}")

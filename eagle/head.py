@@ -251,7 +251,7 @@ class EagleHead(nn.Module):
 
     def init_from_target_layer(self, target, layer: int = -1) -> None:
         """Start the decoder layer from one of the target's layers (same shapes), a warm start for training."""
-        src = target.base.layers[layer].state_dict()
+        src = target.layer_weights(layer)  # read alone from the checkpoint when the target's layers are not loaded
         own = self.layers[0].state_dict()
         self.layers[0].load_state_dict({k: src[k].to(v.dtype) for k, v in own.items() if k in src}, strict=False)
 
@@ -300,8 +300,9 @@ class EagleHead(nn.Module):
 
     def target_logits(self, features: torch.Tensor) -> torch.Tensor:
         """The target's logits over the draft vocabulary for target features [..., H]: its lm_head rows of the draft
-        vocabulary (what training takes p from)."""
-        return self.cap(F.linear(features, self.draft_lm_weight))
+        vocabulary (what training takes p from), in the lm_head's dtype (a float32 head may train beside a 16-bit
+        target)."""
+        return self.cap(F.linear(features.to(self.draft_lm_weight.dtype), self.draft_lm_weight))
 
     def cap(self, logits: torch.Tensor) -> torch.Tensor:
         """The target's logit soft-capping (Gemma-2's), where it has one."""

@@ -29,6 +29,7 @@ from torch import nn
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from eagle.device import full_float32_matmuls, resolve_device, resolve_dtype
+from eagle.weights import WeightFiles, WeightsError, layer_weights, model_without_layers
 
 
 class TargetError(ValueError):
@@ -197,6 +198,11 @@ class TargetModel:
     model: nn.Module  # the *ForCausalLM
     tokenizer: object
     source: Path | None = None  # the GGUF file it was converted from (its K-quant codes serve the CPU backend)
+    # the directory of safetensors weights it was loaded from (its identity is then the files'), or None
+    checkpoint: Path | None = None
+    # False: loaded without its decoder layers (`load_target(layers=False)`: they sit on the meta device), for
+    # training on cached features; `whole()` loads them
+    has_layers: bool = True
 
     def __post_init__(self):
         self.base = self.model.get_decoder()  # the stack of decoder layers + final norm
@@ -218,19 +224,39 @@ class TargetModel:
 
     @property
     def identity(self) -> str:
-        """A short hash of the tokenizer (`fingerprint`) and the weights: every parameter's name, shape, dtype and
-        1,024 of its values, evenly spaced. A fine-tune of the same base changes it, so files computed from one
-        target's activations (cached features) are not reused for another. Computed once."""
+        """A short hash of the tokenizer (`fingerprint`), the dtype the weights run in, and the weights: for a target
+        loaded from a checkpoint directory its files' contents (`WeightFiles.identity`: the same whether it was
+        loaded whole or without its layers), else every parameter's name, shape, dtype and 1,024 of its values,
+        evenly spaced. A fine-tune of the same base changes it, so files computed from one target's activations
+        (cached features) are not reused for another. Computed once."""
         if "_identity" not in self.__dict__:
             h = hashlib.sha256(self.fingerprint.encode())
-            with torch.no_grad():
-                for name, p in self.model.named_parameters():
-                    flat = p.detach().reshape(-1)
-                    sample = flat[:: max(1, flat.numel() // 1024)][:1024].float().cpu()
-                    h.update(f"{name}|{tuple(p.shape)}|{p.dtype}|".encode())
-                    h.update(sample.numpy().tobytes())
+            files = WeightFiles.of(self.checkpoint) if self.checkpoint is not None else None
+            if files is not None:
+                h.update(f"files|{files.identity()}|{self.dtype}|".encode())
+            else:
+                with torch.no_grad():
+                    for name, p in self.model.named_parameters():
+                        flat = p.detach().reshape(-1)
+                        sample = flat[:: max(1, flat.numel() // 1024)][:1024].float().cpu()
+                        h.update(f"{name}|{tuple(p.shape)}|{p.dtype}|".encode())
+                        h.update(sample.numpy().tobytes())
             self._identity = h.hexdigest()[:16]
         return self._identity
+
+    def whole(self) -> "TargetModel":
+        """This target with its decoder layers: itself, or, when it was loaded without them, a copy loaded whole
+        from the same files onto the same device in the same dtype (its identity is the same)."""
+        if self.has_layers:
+            return self
+        return load_target(self.name, self.device, self.dtype)
+
+    def layer_weights(self, index: int) -> dict[str, torch.Tensor]:
+        """Decoder layer `index`'s weights by their names in the layer: its own, or read from the checkpoint alone
+        when the layers were not loaded (`model.init=target_last_layer` on cached features)."""
+        if self.has_layers:
+            return self.base.layers[index].state_dict()
+        return layer_weights(WeightFiles.of(self.checkpoint), self.model, index, self.dtype, self.device)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -399,38 +425,99 @@ def preallocated_cache(preallocate: bool = True) -> DynamicCache:
 
 
 def load_target(name: str, device: str | torch.device = "cpu", dtype: str | torch.dtype = torch.float32,
-                attn_implementation: str = "sdpa", device_map: str | dict | None = None) -> TargetModel:
+                attn_implementation: str = "sdpa", device_map: str | dict | None = None,
+                layers: bool = True) -> TargetModel:
     """Load a target by alias, .gguf path, local directory or hub id (see module docstring), onto `device` (auto, cpu,
     cuda, cuda:N) in `dtype` (float32, bfloat16, float16). `device_map` (e.g. "auto": transformers and accelerate
-    spread a target too large for one GPU over every GPU, and the CPU) places it instead of `device`."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    spread a target too large for one GPU over every GPU, and the CPU) places it instead of `device`.
+
+    `layers=False` reads only what lies outside the decoder layers (embedding, final norm, lm_head) from the
+    checkpoint's safetensors files, the layers left on the meta device: what training on cached features uses.
+    A checkpoint that cannot be read so (no safetensors files, other tensor names) is loaded whole, with a note."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     device, dtype = resolve_device(device), resolve_dtype(dtype)
     if dtype == torch.float32:
         full_float32_matmuls(device)
 
-    src = gguf = resolve_target(name)
-    if isinstance(src, Path) and src.suffix == ".gguf":
-        try:
-            importlib.import_module("gguf")  # transformers reads GGUF files with it
-        except ImportError:
-            raise TargetError(f"target {name!r} is a GGUF file: reading it needs the gguf package "
-                              "(pip install gguf)") from None
-        cached = _gguf_cache_dir(src)
-        if not (cached / "config.json").exists():
-            _convert_gguf(src, cached)
-        src = cached
+    src, gguf = checkpoint_source(name)
+    model = None
     try:
         tok = AutoTokenizer.from_pretrained(src)
-        placed = {"device_map": device_map} if device_map else {}
-        model = AutoModelForCausalLM.from_pretrained(src, dtype=dtype, attn_implementation=attn_implementation,
-                                                     **placed)
+        if not layers and not device_map:
+            try:
+                files = WeightFiles.of(_weights_folder(src, download=True))
+                if files is None:
+                    raise WeightsError("its checkpoint has no safetensors weights")
+                model = model_without_layers(files, AutoConfig.from_pretrained(src), dtype, device,
+                                             attn_implementation)
+            except WeightsError as e:
+                print(f"note: target {name!r} is loaded whole ({e})")
+        if model is None:
+            placed = {"device_map": device_map} if device_map else {}
+            model = AutoModelForCausalLM.from_pretrained(src, dtype=dtype, attn_implementation=attn_implementation,
+                                                         **placed)
+            if not device_map:
+                model.to(device)
+        folder = _weights_folder(src)
+        files = WeightFiles.of(folder) if folder is not None else None
     except OSError as e:
         where = "" if isinstance(src, Path) else "no such local path, and as a hub id: "
         raise TargetError(f"target {name!r} could not be loaded: {where}{str(e).splitlines()[0]}") from None
-    if not device_map:
-        model.to(device)
     model.eval().requires_grad_(False)
     if name in ALIAS_TEMPLATES and not tok.chat_template:
         tok.chat_template = ALIAS_TEMPLATES[name]
-    return TargetModel(name=name, model=model, tokenizer=tok, source=gguf if src is not gguf else None)
+    whole = not any(p.is_meta for p in model.parameters())
+    return TargetModel(name=name, model=model, tokenizer=tok, source=gguf,
+                       checkpoint=folder if files is not None else None, has_layers=whole)
+
+
+def checkpoint_source(name: str) -> tuple[Path | str, Path | None]:
+    """(what transformers loads the target `name` from: a local directory or a hub id, the GGUF file it was converted
+    from or None). A GGUF file is converted once into the cache (`_convert_gguf`)."""
+    src = resolve_target(name)
+    if not (isinstance(src, Path) and src.suffix == ".gguf"):
+        return src, None
+    try:
+        importlib.import_module("gguf")  # transformers reads GGUF files with it
+    except ImportError:
+        raise TargetError(f"target {name!r} is a GGUF file: reading it needs the gguf package "
+                          "(pip install gguf)") from None
+    cached = _gguf_cache_dir(src)
+    if not (cached / "config.json").exists():
+        _convert_gguf(src, cached)
+    return cached, src
+
+
+def target_config(name: str, tokenizer: bool = True):
+    """(config, tokenizer) of the target `name`, without its weights: what `eagle plan` and the checks before a run
+    read (the alias templates applied as `load_target` does). `tokenizer=False`: the config alone (None for the
+    tokenizer), e.g. a directory holding only a config.json."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    src, _ = checkpoint_source(name)
+    try:
+        config = AutoConfig.from_pretrained(src)
+        tok = AutoTokenizer.from_pretrained(src) if tokenizer else None
+    except OSError as e:
+        where = "" if isinstance(src, Path) else "no such local path, and as a hub id: "
+        raise TargetError(f"target {name!r} could not be loaded: {where}{str(e).splitlines()[0]}") from None
+    if tok is not None and name in ALIAS_TEMPLATES and not tok.chat_template:
+        tok.chat_template = ALIAS_TEMPLATES[name]
+    return config, tok
+
+
+def _weights_folder(src: Path | str, download: bool = False) -> Path | None:
+    """The local directory holding a checkpoint's files: `src` itself, or for a hub id the snapshot it was
+    downloaded into (with `download`, its configs and safetensors files are fetched first), or None."""
+    if isinstance(src, Path):
+        return src if src.is_dir() else None
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(src, allow_patterns=["*.json", "*.safetensors"],
+                                      local_files_only=not download))
+    except OSError:  # huggingface_hub's errors for a repo or files not there (offline: not cached) are OSErrors
+        if download:
+            raise
+        return None

@@ -376,7 +376,7 @@ def test_weights_that_are_not_finite_never_replace_a_good_checkpoint(target, tmp
     import train.loop as loop
 
     head = tiny_head(target)
-    opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad])
+    opt = loop.Optim.of(config(tmp_path), head, loop.Precision.of(config(tmp_path), torch.device("cpu"), target))
     loop.save_checkpoint(tmp_path, head, opt, {"step": 4})
     good = (tmp_path / "checkpoint/head/model.safetensors").read_bytes()
     with torch.no_grad():

@@ -442,7 +442,7 @@ def test_prepare_with_regeneration(tiny_target, tmp_path, capsys):
     cfg = PrepConfig(target="tiny", data=str(data), out=str(tmp_path / "out"), regenerate=True,
                      max_new_tokens=8, max_length=128, max_turns=1)
     s = prepare(cfg, target=tiny_target)
-    assert "MiB, to be written beside them" in capsys.readouterr().out  # the feature cache's size, said first
+    assert "MiB (6 replies to make" in capsys.readouterr().out  # the feature cache's largest size, said first
     assert s.rows_read == 6 and s.kept + sum(s.dropped.values()) == 6
     assert set(s.dropped) <= {"empty_reply"} and s.regenerated_replies == s.kept
     for c in load_conversations(str(tmp_path / "out/val_conversations.jsonl"))[0]:
@@ -468,9 +468,16 @@ def test_greedy_replies_match_plain_greedy_and_keep_the_features(tiny_target):
                 ids.append(int(tiny_target.model(torch.tensor([ids])).logits[0, -1].argmax()))
             assert r.new_ids == ids[len(p):] and r.hit_eos == (ids[-1] in eos)
             full = tiny_target.features(torch.tensor([ids]))[0]
-        assert r.features.shape == full.shape
-        torch.testing.assert_close(r.features[:-1], full[:-1].float(), rtol=1e-5, atol=1e-5)
+        assert r.features.shape == full.shape and r.features.dtype == tiny_target.dtype  # the target's dtype
+        torch.testing.assert_close(r.features[:-1], full[:-1], rtol=1e-5, atol=1e-5)
         assert not r.features[-1].any()
+    # in another dtype; with a consumer (prep's journal) the features go to it and are not kept in the replies
+    seen = {}
+    low = greedy_replies(tiny_target, prompts, 7, 3, tok.pad_token_id, eos, keep_features=True,
+                         on_reply=lambda i, reply: seen.update({i: reply}), feature_dtype=torch.bfloat16)
+    assert sorted(seen) == [0, 1, 2, 3] and all(r.features is None for r in low)
+    for i, r in enumerate(got):
+        assert seen[i].new_ids == r.new_ids and torch.equal(seen[i].features, r.features.to(torch.bfloat16))
 
 
 def test_a_regeneration_deadline_keeps_a_prefix_of_the_prompts(tiny_target, monkeypatch):

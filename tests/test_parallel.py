@@ -102,20 +102,23 @@ def test_launches_the_loop_does_not_serve_are_one_line_errors():
     from accelerate.utils import DistributedType
 
     from train.config import TrainConfig
-    from train.loop import TrainError, check_launch
+    from train.loop import Precision, TrainError, check_launch
 
     def launch(kind=DistributedType.NO, precision="no", processes=1):
         return SimpleNamespace(distributed_type=kind, mixed_precision=precision, num_processes=processes)
 
+    def check(cfg, accelerator):  # on a CPU: mixed_precision auto is none there
+        check_launch(cfg, accelerator, Precision.of(cfg, torch.device("cpu")))
+
     cfg = TrainConfig()
-    check_launch(cfg, launch(DistributedType.MULTI_GPU, "no", 2))
+    check(cfg, launch(DistributedType.MULTI_GPU, "no", 2))
     with pytest.raises(TrainError, match="^accelerate launched with distributed_type DEEPSPEED: "):
-        check_launch(cfg, launch(DistributedType.DEEPSPEED))
+        check(cfg, launch(DistributedType.DEEPSPEED))
     with pytest.raises(TrainError, match="^accelerate's mixed_precision is fp16 but the config's mixed_precision is "
                                          "none: "):
-        check_launch(cfg, launch(precision="fp16"))
+        check(cfg, launch(precision="fp16"))
     cfg.mixed_precision = "bf16"
-    check_launch(cfg, launch(precision="bf16"))
+    check(cfg, launch(precision="bf16"))
     cfg.model.device_map = "auto"
     with pytest.raises(TrainError, match="^model.device_map 'auto' spreads one target over the devices; with 2 "):
-        check_launch(cfg, launch(processes=2))
+        check(cfg, launch(processes=2))

@@ -82,7 +82,7 @@ def test_bf16_mixed_precision_learns_and_keeps_float32_weights(tmp_path, target,
     assert last["bf16"] == pytest.approx(last["none"], rel=0.03)
     saved = EagleHead.from_pretrained(tmp_path / "bf16/head").trainable_state_dict()
     assert {v.dtype for v in saved.values() if v.is_floating_point()} == {torch.float32}
-    with pytest.raises(TrainError, match="mixed_precision 'fp8': expected none or bf16"):
+    with pytest.raises(TrainError, match="mixed_precision 'fp8': expected auto, none, bf16 or fp16"):
         train(config(tmp_path, "budget.max_steps=1", "mixed_precision=fp8"), target=target)
 
 
@@ -147,7 +147,7 @@ def test_missing_data_and_missing_budget_are_one_line_errors(tmp_path, target):
         train(config(tmp_path), target=target)
     with pytest.raises(TrainError, match="does not exist: run `eagle prep"):
         train(config(tmp_path, "budget.max_steps=1"), target=target)
-    with pytest.raises(TrainError, match="data.feature_dtype 'half': expected one of float32, bfloat16, float16"):
+    with pytest.raises(TrainError, match="data.feature_dtype .half.: expected auto or one of float32, bfloat16, float16"):
         train(config(tmp_path, "budget.max_steps=1", "data.feature_dtype=half"), target=target)
 
 
@@ -423,7 +423,7 @@ def test_feature_pass_in_bfloat16_for_rows_without_features(tmp_path, target):
     # a pass over rows batched by length sums in another order than a one-row pass where the host's measured product
     # layouts differ by row count (float32 rounding, ~1e-7 here); a bfloat16 copy's features differ by ~1e-2
     def same_float32(a, b):
-        return torch.allclose(a, b, rtol=1e-5, atol=1e-5)
+        return torch.allclose(a.float(), b, rtol=1e-5, atol=1e-5)
 
     for i, (ids, _) in enumerate(data.val_rows):  # held-out rows: the target's own, for an exact simulated tau
         assert same_float32(data.val_feats[i], batch_features(target, ids[None])[0])
@@ -433,9 +433,10 @@ def test_feature_pass_in_bfloat16_for_rows_without_features(tmp_path, target):
         else:  # the bfloat16 copy's: close to, not equal to, the float32 target's own
             exact = batch_features(target, ids[None])[0]
             assert not same_float32(data.feats[i], exact)
-            assert torch.nn.functional.cosine_similarity(data.feats[i], exact, dim=-1).min() > 0.99
+            assert data.feats[i].dtype == torch.bfloat16  # stored in the copy's dtype
+            assert torch.nn.functional.cosine_similarity(data.feats[i].float(), exact, dim=-1).min() > 0.99
     lengths = [r[0].shape[0] for r in load_rows(cfg, "train", str(tmp_path / "extra"))]
-    assert FeatureStore.open(features_dir(tmp_path / "extra", "train", copy), lengths) is not None
+    assert FeatureStore.open(features_dir(tmp_path / "extra", "train", copy, dtype=torch.bfloat16), lengths) is not None
     assert FeatureStore.open(features_dir(tmp_path / "extra", "train", target), lengths) is None
     assert train(cfg, target=target)["step"] > 0  # and it trains on them
     # `target`: the extra rows' features from the target itself

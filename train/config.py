@@ -34,9 +34,14 @@ class ModelConfig:
     # 82 % of the target's tokens, the 8,192 most frequent of 6,000 ShareGPT rows 90 %, 16,384 96 % (BENCHMARKS.md).
     vocab_counts: str = ""
     vocab_count_rows: int = 6000
-    # the head's and the target's weights: float32, bfloat16, float16 (`mixed_precision: bf16` keeps float32 weights
-    # and runs the products in bfloat16)
-    dtype: str = "float32"
+    # the target's weights: auto (bfloat16 on CUDA, float32 elsewhere), float32, bfloat16, float16
+    dtype: str = "auto"
+    # the head's weights and AdamW states (master weights), whatever the target's: float32 unless memory is short
+    # (`mixed_precision` picks the precision of the products)
+    head_dtype: str = "float32"
+    # the head written to `out`: auto (the target's dtype, as published heads are), float32, bfloat16, float16;
+    # checkpoints keep the master weights as they are, so a resumed run goes on exactly
+    save_dtype: str = "auto"
     # "auto": the target spread over every GPU (and the CPU) by transformers / accelerate, for online training
     # (`data.online`) with a target larger than one GPU; "": the target whole on `device`. Untested on GPUs.
     device_map: str = ""
@@ -55,9 +60,10 @@ class DataConfig:
     # online: run the target on every batch (no feature cache on disk; slower); else features are computed once
     # and cached beside the prepared rows
     online: bool = False
-    # the cached features' dtype: float32, or bfloat16 / float16 for half the memory and disk (an EAGLE-3 head's
-    # over 2M SmolLM2 tokens: 19 GB in float32); batches are float32 either way
-    feature_dtype: str = "float32"
+    # the cached features' dtype: auto (a complete store the target already has for the rows, e.g. prep's, in its
+    # dtype; else the target's dtype), float32, or bfloat16 / float16 for half the memory and disk (an EAGLE-3
+    # head's over 2M SmolLM2 tokens: 19 GB in float32); batches are in the head's dtype either way
+    feature_dtype: str = "auto"
     # the precision the target computes missing features in: "target" (as loaded: model.dtype), "bfloat16" (a
     # bfloat16 copy of the target: ~3x the tokens/s on a CPU with AMX; features within ~2 % of float32 ones), or
     # "auto" (bfloat16 on a CPU that multiplies it natively, AMX or AVX-512 BF16, else the target as loaded). Stores
@@ -148,8 +154,9 @@ class TrainConfig:
     # the CPU backend: on the CPU, the head's linear layers (forward and backward) and validation decoding through
     # the packed C kernel (`cpu.fast_path`); false: torch's own products throughout
     cpu: CPUConfig = field(default_factory=CPUConfig)
-    # "bf16": the training step's products in bfloat16 under autocast (weights, optimizer state, losses and
-    # validation stay float32), as on GPUs; the packed kernel is then not used for training. On a 2-core CPU with
-    # AMX it made fewer steps a minute than float32 (each new batch shape builds a new kernel; BENCHMARKS.md).
-    # "none": float32 throughout
-    mixed_precision: str = "none"
+    # "bf16" / "fp16": the training step's products in bfloat16 / float16 under autocast (weights, optimizer state,
+    # losses and validation stay in model.head_dtype; fp16 scales the loss so small gradients do not vanish), as on
+    # GPUs; the packed kernel is then not used for training. On a 2-core CPU with AMX bf16 made fewer steps a
+    # minute than float32 (each new batch shape builds a new kernel; BENCHMARKS.md). "none": the head's dtype
+    # throughout. "auto": bf16 on CUDA, none elsewhere
+    mixed_precision: str = "auto"

@@ -22,7 +22,6 @@ import json
 import math
 import os
 import shutil
-import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -37,11 +36,16 @@ import cpu_backend
 from data_prep import draft_vocabulary, load_examples
 from eagle import EagleHead, HeadCache, HeadConfig, TargetModel, load_target
 from eagle.checkpoint import check_head_dir, fsync_path, recover_dir, replace_dir, save_head
-from eagle.features import DTYPES as FEATURE_DTYPES, FeatureError, FeatureStore, FeatureWriter, check_room, features_dir
+from eagle.features import (DTYPES as FEATURE_DTYPES, FeatureError, FeatureStore, FeatureWriter, check_room,
+                            default_dtype, features_dir)
 from eagle.configio import save_config
+from eagle.faults import fault
 from eagle.device import native_bfloat16, resolve_device, resolve_dtype
 from eagle.head import eagle3_layers, load_head, make_head
+from eagle.memory import TargetSize
+from eagle.target import target_config
 from train.config import TrainConfig
+from train.plan import check_training_fits
 from train.parallel import Ranks, average_gradients
 from train.runlog import RunLog
 
@@ -160,20 +164,25 @@ def collate(rows, feats, idx: list[int], target: TargetModel | None = None, laye
 
 
 def cached_features(target: TargetModel, rows, prepared: Path, split: str, layers: list[int] | None = None,
-                    dtype: torch.dtype = torch.float32,
+                    dtype: torch.dtype | None = None,
                     pass_target: Callable[[], TargetModel] | None = None) -> FeatureStore:
-    """Target features of every row, kept in `dtype` in a store beside the prepared rows (eagle.features: shards
-    written as they are computed, read a row at a time) so later runs on the same data skip the pass; prep leaves
-    float32 ones there when regeneration computed them already. Its size is printed, and checked against the free
-    disk, before anything is written; a pass killed midway resumes after its last complete shard.
+    """Target features of every row, kept in `dtype` (None: any dtype a complete store of the target's is in, else
+    the target's) in a store beside the prepared rows (eagle.features: shards written as they are computed, read a
+    row at a time) so later runs on the same data skip the pass; prep leaves them there when regeneration computed
+    them already. Its size is printed, and checked against the free disk, before anything is written; a pass killed
+    midway resumes after its last complete shard.
 
-    `pass_target` (a callable returning a TargetModel, e.g. a bfloat16 copy) computes the features when `target`
-    has none stored for these rows; its store is keyed by its own identity, so it never passes for `target`'s."""
+    `pass_target` (a callable returning a TargetModel: `target` with its layers, or a bfloat16 copy) computes the
+    features when `target` has none stored for these rows (default: `target.whole()`); a store is keyed by the
+    identity of the target that computed it, so a copy's never passes for `target`'s."""
     lengths = [r[0].shape[0] for r in rows]
     store = _stored_features(target, lengths, prepared, split, layers, dtype)
-    if store is None and pass_target is not None:
-        target = pass_target()
-        store = _stored_features(target, lengths, prepared, split, layers, dtype)
+    if store is None:
+        computing = (pass_target or target.whole)()
+        if computing.identity != target.identity:
+            store = _stored_features(computing, lengths, prepared, split, layers, dtype)
+        target = computing
+    dtype = dtype or default_dtype(target.dtype)
     folder = features_dir(prepared, split, target, layers, dtype)
     if store is None:
         width = target.hidden_size * (1 + len(layers or []))
@@ -193,8 +202,13 @@ def cached_features(target: TargetModel, rows, prepared: Path, split: str, layer
 
 
 def _stored_features(target: TargetModel, lengths: list[int], prepared: Path, split: str, layers: list[int] | None,
-                     dtype: torch.dtype) -> FeatureStore | None:
-    """`target`'s complete store of these rows in `dtype`, or its float32 one converted to `dtype`, or None."""
+                     dtype: torch.dtype | None) -> FeatureStore | None:
+    """`target`'s complete store of these rows in `dtype` (None: in its own dtype, or any other), or, for a 16-bit
+    `dtype`, its float32 one converted, or None."""
+    if dtype is None:
+        kinds = dict.fromkeys([default_dtype(target.dtype), torch.float32, torch.bfloat16, torch.float16])
+        found = (FeatureStore.open(features_dir(prepared, split, target, layers, d), lengths) for d in kinds)
+        return next((s for s in found if s is not None), None)
     folder = features_dir(prepared, split, target, layers, dtype)
     store = FeatureStore.open(folder, lengths)
     if store is None and dtype != torch.float32:  # a float32 store of the same rows, converted
@@ -452,19 +466,7 @@ def acceptance_stats(accepts: list[int], k: int) -> dict:
 
 
 # -- checkpoints --------------------------------------------------------------------------------------------------
-FAULT_ENV = "EAGLE_FAULT"  # fault injection for tests: POINT or POINT@STEP (see `fault`)
-
-
-def fault(point: str, step: int) -> None:
-    """SIGKILL this process at `point` when the environment variable EAGLE_FAULT names it (`POINT`, or `POINT@STEP`
-    for the given step only): how the tests kill a run at an instant they choose. Points: checkpoint-between-renames
-    (`save_checkpoint`)."""
-    name, _, at = os.environ.get(FAULT_ENV, "").partition("@")
-    if name == point and (not at or int(at) == step):
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
-def save_checkpoint(run: Path, head, opt, state: dict) -> None:
+def save_checkpoint(run: Path, head, optim: Optim, state: dict) -> None:
     """run/checkpoint holds head + optimizer + trainer state. It is written whole into run/checkpoint.tmp (a partial
     one left by a kill is removed first: the name is ours) and flushed to the disk, then renamed in by
     `eagle.checkpoint.replace_dir`: the previous checkpoint is renamed to run/checkpoint.prev and removed only once
@@ -475,7 +477,7 @@ def save_checkpoint(run: Path, head, opt, state: dict) -> None:
     tmp = run / "checkpoint.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     save_head(head, tmp / "head")
-    torch.save(opt.state_dict(), tmp / "optimizer.pt")
+    optim.save(tmp, state)
     (tmp / "state.json").write_text(json.dumps(state))
     for f in (tmp / "optimizer.pt", tmp / "state.json", tmp):
         fsync_path(f)
@@ -518,12 +520,25 @@ def val_prompts(cfg: TrainConfig) -> list[str]:
     return [p["prompt"] for p in load_prompts(str(path), cfg.eval.num_prompts)]
 
 
-def validate(head, target, val_rows, val_feats, prompts, cfg: TrainConfig, ranks: Ranks = Ranks()) -> dict:
+def decoding_head(head: EagleHead, target: TargetModel) -> EagleHead:
+    """The head as decoding runs it with `target`: itself, or a copy of its weights in the target's dtype attached to
+    `target` (training keeps float32 master weights beside a 16-bit target, and may hold the target without its
+    layers apart from the whole one that decodes)."""
+    if next(head.parameters()).dtype == target.dtype and head.lm_head is target.lm_head:
+        return head
+    twin = make_head(head.config).to(device=target.device, dtype=target.dtype)
+    twin.load_state_dict(head.trainable_state_dict(), strict=False)
+    return twin.eval().attach(target)
+
+
+def validate(head, target, val_rows, val_feats, prompts, cfg: TrainConfig, ranks: Ranks = Ranks(),
+             decode_target: Callable[[], TargetModel] | None = None) -> dict:
     """On the held-out rows: teacher-forced loss and top-1 agreement, and the tau and per-depth acceptance of chain
     decoding with eval.num_speculative_tokens drafts simulated along them (`batch_accepts`: every row, no
     target pass); plus tau from real chain decoding of eval.num_prompts held-out prompts, a check of the
     simulation on a few prompts. With several processes each takes its share of the batches (the sums are
-    reduced) and the main process decodes the prompts."""
+    reduced) and the main process decodes the prompts, with `decode_target()` (the target with its decoder layers;
+    default `target`) and the head in its dtype."""
     from infer import SpeculativeDecoder
 
     head.eval()
@@ -553,7 +568,8 @@ def validate(head, target, val_rows, val_feats, prompts, cfg: TrainConfig, ranks
     if prompts:
         tau = None
         if ranks.main:
-            dec = SpeculativeDecoder(target, head)
+            whole = (decode_target or (lambda: target))()
+            dec = SpeculativeDecoder(whole, decoding_head(head, whole))
             emitted = rounds = 0
             for prompt in prompts:
                 out = dec.generate(prompt, cfg.eval.max_new_tokens,
@@ -583,38 +599,105 @@ def train(cfg: TrainConfig, target: TargetModel | None = None) -> dict:
     wait = InitProcessGroupKwargs(timeout=timedelta(hours=float(os.environ.get("EAGLE_DIST_TIMEOUT_HOURS", 12))))
     accelerator = Accelerator(cpu=device.type == "cpu", kwargs_handlers=[wait])
     ranks = Ranks.of(accelerator)
-    check_launch(cfg, accelerator)
+    precision = Precision.of(cfg, accelerator.device, target)
+    check_launch(cfg, accelerator, precision)
     run = Path(cfg.run_dir)
     state = resume_state(cfg, run, ranks)                # 2. the last complete checkpoint's state, if any
     if state and state.get("done"):
         say(ranks, f"training in {run} already finished at step {state['step']}; best head in {cfg.out}")
         return state
-    dtype = resolve_dtype(cfg.model.dtype)
-    target = target or load_target(cfg.model.target, device=accelerator.device, dtype=dtype,
-                                   device_map=cfg.model.device_map or None)
+    if not cfg.model.device_map:  # refuse, before the target loads, a run the device cannot hold (train.plan)
+        size = TargetSize.of_module(target.model) if target is not None else \
+            TargetSize.of(target_config(cfg.model.target)[0])
+        check_training_fits(cfg, size, accelerator.device, precision.target.itemsize, precision.head.itemsize,
+                            precision.compute.itemsize if precision.compute else None)
+    # on cached features a target's decoder layers are not loaded (`load_data` loads them if features are missing)
+    target = target or load_target(cfg.model.target, device=accelerator.device, dtype=precision.target,
+                                   device_map=cfg.model.device_map or None,
+                                   layers=cfg.data.online or bool(cfg.model.device_map))
     with accelerator.main_process_first():               # 3. rows, target features (the main process writes them
         data = load_data(cfg, target, quiet=not ranks.main)  # once), held-out rows and prompts
-    head = (load_head(run / "checkpoint" / "head", device=accelerator.device, dtype=dtype).attach(target)
-            if state else new_head(cfg, target, data, accelerator.device, dtype))  # 4. the head, alike everywhere
-    head.train()
-    params = [p for n, p in head.named_parameters() if p.requires_grad and not n.startswith(("embed_tokens.",
-                                                                                              "lm_head."))]
-    opt = torch.optim.AdamW(params, lr=cfg.optim.lr, betas=tuple(cfg.optim.betas), weight_decay=cfg.optim.weight_decay)
-    if state:                                            # 5. the optimizer, resumed
-        opt.load_state_dict(torch.load(run / "checkpoint" / "optimizer.pt", map_location="cpu", weights_only=True))
-    if cfg.cpu.fast_path and cpu_backend.applies(head) and cfg.mixed_precision == "none":
+    head = (load_head(run / "checkpoint" / "head", device=accelerator.device, dtype=precision.head).attach(target)
+            if state else new_head(cfg, target, data, accelerator.device, precision.head))  # 4. the head, alike
+    head.train()                                                                           # everywhere
+    optim = Optim.of(cfg, head, precision)
+    if state:                                            # 5. the optimizer (and fp16's loss scale), resumed
+        optim.load(run / "checkpoint", state)
+    if cfg.cpu.fast_path and cpu_backend.applies(head) and precision.compute is None and \
+            precision.target == torch.float32:
         cpu_backend.enable(head)                         # 6. the head's products through the CPU backend
         slower = cpu_backend.plan_training(head, min(cfg.optim.batch_tokens, 1024))  # ... where it beats F.linear's
         if slower:
             say(ranks, f"training products through F.linear for {', '.join(slower)} (measured faster than the kernel)")
-    state = fit(cfg, head, opt, params, target, data, run, state, ranks)  # 7. steps, checkpoints, validation
+    state = fit(cfg, head, optim, target, data, run, state, ranks)  # 7. steps, checkpoints, validation
     say(ranks, f"done: {state['step']} steps, {state['tokens']} tokens in {state['train_s'] / 60:.1f} min of training; "
                f"best simulated validation tau {state['best_tau']:.3f} (k = {cfg.eval.num_speculative_tokens}); "
                f"head in {cfg.out}")
     return state
 
 
-def check_launch(cfg: TrainConfig, accelerator) -> None:
+@dataclass
+class Precision:
+    """The dtypes of a run, from its config and device: the target's weights (`model.dtype`; auto: bfloat16 on CUDA,
+    else float32; a target handed in keeps its own), the head's master weights and AdamW states
+    (`model.head_dtype`), a training step's products (`mixed_precision` under autocast; None: the head's dtype),
+    and the head written to `out` (`model.save_dtype`; auto: the target's when it is 16-bit, else the head's)."""
+
+    target: torch.dtype
+    head: torch.dtype
+    compute: torch.dtype | None
+    save: torch.dtype
+
+    @classmethod
+    def of(cls, cfg: TrainConfig, device: torch.device, target: TargetModel | None = None) -> "Precision":
+        cuda = device.type == "cuda"
+        if target is not None:
+            tdtype = target.dtype
+        else:
+            tdtype = resolve_dtype(("bfloat16" if cuda else "float32") if cfg.model.dtype == "auto" else cfg.model.dtype)
+        mp = ("bf16" if cuda else "none") if cfg.mixed_precision == "auto" else cfg.mixed_precision
+        head = resolve_dtype(cfg.model.head_dtype)
+        save = (tdtype if tdtype.itemsize == 2 else head) if cfg.model.save_dtype == "auto" else \
+            resolve_dtype(cfg.model.save_dtype)
+        return cls(tdtype, head, {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}[mp], save)
+
+    @property
+    def mixed_precision(self) -> str:
+        return {None: "none", torch.bfloat16: "bf16", torch.float16: "fp16"}[self.compute]
+
+
+@dataclass
+class Optim:
+    """What a step updates the head with: AdamW over its trainable parameters (in the head's dtype: float32 master
+    weights by default), the loss scaler float16 products need so that small gradients do not vanish (a
+    pass-through otherwise), and the run's precision (the products' autocast dtype; the saved head's dtype)."""
+
+    opt: torch.optim.Optimizer
+    params: list[torch.Tensor]
+    scaler: torch.amp.GradScaler
+    precision: Precision
+
+    @classmethod
+    def of(cls, cfg: TrainConfig, head: EagleHead, precision: Precision) -> "Optim":
+        params = [p for n, p in head.named_parameters()
+                  if p.requires_grad and not n.startswith(("embed_tokens.", "lm_head."))]
+        opt = torch.optim.AdamW(params, lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
+                                weight_decay=cfg.optim.weight_decay)
+        device = params[0].device.type
+        return cls(opt, params, torch.amp.GradScaler(device, enabled=precision.compute == torch.float16), precision)
+
+    def save(self, folder: Path, state: dict) -> None:
+        torch.save(self.opt.state_dict(), folder / "optimizer.pt")
+        if self.scaler.is_enabled():
+            state["loss_scale"] = self.scaler.state_dict()
+
+    def load(self, folder: Path, state: dict) -> None:
+        self.opt.load_state_dict(torch.load(folder / "optimizer.pt", map_location="cpu", weights_only=True))
+        if self.scaler.is_enabled() and "loss_scale" in state:
+            self.scaler.load_state_dict(state["loss_scale"])
+
+
+def check_launch(cfg: TrainConfig, accelerator, precision: Precision) -> None:
     """One-line TrainErrors for launches this loop does not serve: it replicates the head and averages gradients
     itself (train.parallel), so no DeepSpeed, FSDP or XLA plugin; the precision is the config's, not accelerate's;
     a target spread over devices (model.device_map) is for one process."""
@@ -624,11 +707,11 @@ def check_launch(cfg: TrainConfig, accelerator) -> None:
     if kind not in (DistributedType.NO, DistributedType.MULTI_GPU, DistributedType.MULTI_CPU):
         raise TrainError(f"accelerate launched with distributed_type {kind.value}: eagle train runs plain data "
                          "parallel processes (MULTI_GPU or MULTI_CPU); run `accelerate config` without DeepSpeed/FSDP")
-    asked = {"no": "none", "bf16": "bf16"}.get(accelerator.mixed_precision, accelerator.mixed_precision)
-    if asked != "none" and asked != cfg.mixed_precision:
+    asked = {"no": "none"}.get(accelerator.mixed_precision, accelerator.mixed_precision)
+    if asked != "none" and asked != precision.mixed_precision:
         raise TrainError(f"accelerate's mixed_precision is {accelerator.mixed_precision} but the config's "
-                         f"mixed_precision is {cfg.mixed_precision}: set mixed_precision in the training config "
-                         "(none or bf16) and launch with --mixed_precision no")
+                         f"mixed_precision is {precision.mixed_precision}: set mixed_precision in the training "
+                         "config (none, bf16 or fp16) and launch with --mixed_precision no")
     if cfg.model.device_map and accelerator.num_processes > 1:
         raise TrainError(f"model.device_map {cfg.model.device_map!r} spreads one target over the devices; with "
                          f"{accelerator.num_processes} processes each would load it so: use one process, or none")
@@ -664,11 +747,15 @@ def check_config(cfg: TrainConfig) -> None:
         raise TrainError("set a budget: budget.max_steps, budget.minutes or budget.epochs")
     if cfg.data.feature_pass not in ("target", "bfloat16", "auto"):
         raise TrainError(f"data.feature_pass {cfg.data.feature_pass!r}: expected target, bfloat16 or auto")
-    if cfg.data.feature_dtype not in FEATURE_DTYPES:
-        raise TrainError(f"data.feature_dtype {cfg.data.feature_dtype!r}: expected one of {', '.join(FEATURE_DTYPES)}")
-    resolve_device(cfg.device), resolve_dtype(cfg.model.dtype)  # one-line DeviceErrors
-    if cfg.mixed_precision not in ("none", "bf16"):
-        raise TrainError(f"mixed_precision {cfg.mixed_precision!r}: expected none or bf16")
+    if cfg.data.feature_dtype not in ("auto", *FEATURE_DTYPES):
+        raise TrainError(f"data.feature_dtype {cfg.data.feature_dtype!r}: expected auto or one of "
+                         f"{', '.join(FEATURE_DTYPES)}")
+    resolve_device(cfg.device), resolve_dtype(cfg.model.head_dtype)  # one-line DeviceErrors
+    for key in ("dtype", "save_dtype"):
+        if getattr(cfg.model, key) != "auto":
+            resolve_dtype(getattr(cfg.model, key))
+    if cfg.mixed_precision not in ("auto", "none", "bf16", "fp16"):
+        raise TrainError(f"mixed_precision {cfg.mixed_precision!r}: expected auto, none, bf16 or fp16")
     if cfg.model.init not in ("identity", "target_last_layer", "random"):
         raise TrainError(f"model.init {cfg.model.init!r} is not one of identity, target_last_layer, random")
     if cfg.optim.accumulate < 1:
@@ -729,11 +816,15 @@ class TrainData:
     prompts: list[str]  # held-out prompts decoded at validation
     feature_s: float  # seconds spent on the target features (0 when cached)
     sources: list[int]  # per training row: 0 for data.prepared, i for the i-th data.extra directory
+    # the target with its decoder layers, which decodes the prompts (loaded at the first call when training on
+    # cached features loaded the target without them, then kept)
+    decode_target: Callable[[], TargetModel] | None = None
 
 
 def load_data(cfg: TrainConfig, target: TargetModel, quiet: bool = False) -> TrainData:
     """The prepared rows of `data.prepared` and `data.extra`, their target features (cached beside the rows), the
-    held-out rows and prompts; training rows that repeat a held-out row are left out."""
+    held-out rows and prompts; training rows that repeat a held-out row are left out. A target loaded without its
+    decoder layers is loaded whole only if some features are missing (`TargetModel.whole`, once)."""
     sources = [cfg.data.prepared, *cfg.data.extra]
     parts = [load_rows(cfg, "train", src) for src in sources]
     rows, val_rows = [r for part in parts for r in part], load_rows(cfg, "val", cfg.data.prepared)
@@ -745,13 +836,14 @@ def load_data(cfg: TrainConfig, target: TargetModel, quiet: bool = False) -> Tra
             raise TrainError(f"model.feature_layers {bad}: the target's hidden_states run 0..{target.num_layers}")
     t0 = time.perf_counter()
     feats = val_feats = None
+    whole = functools.cache(target.whole)
     if not cfg.data.online:
-        dtype = getattr(torch, cfg.data.feature_dtype)
-        other = feature_pass_target(cfg, target)
+        dtype = None if cfg.data.feature_dtype == "auto" else getattr(torch, cfg.data.feature_dtype)
+        other = feature_pass_target(cfg, target, whole) or whole
         feats = FeatureStore.concat([cached_features(target, part, Path(src), "train", layers, dtype, other)
                                      for src, part in zip(sources, parts)])
         # held-out rows always by the target itself: the simulated tau they give equals real decoding's
-        val_feats = cached_features(target, val_rows, Path(cfg.data.prepared), "val", layers, dtype)
+        val_feats = cached_features(target, val_rows, Path(cfg.data.prepared), "val", layers, dtype, whole)
     feature_s = time.perf_counter() - t0
     sources = [s for s, part in enumerate(parts) for _ in part]
     keep = repeat_free(rows, val_rows, cfg.data.val_overlap)
@@ -763,16 +855,21 @@ def load_data(cfg: TrainConfig, target: TargetModel, quiet: bool = False) -> Tra
         rule = "identical" if cfg.data.val_overlap > 1 else \
             f"identical, or holding >= {cfg.data.val_overlap:.0%} of its reply's 8-grams"
         print(f"left out {leaked} training rows that repeat a validation row of {cfg.data.prepared} ({rule})")
-    return TrainData(rows, feats, val_rows, val_feats, layers, val_prompts(cfg), feature_s, sources)
+    prompts = val_prompts(cfg)
+    return TrainData(rows, feats, val_rows, val_feats, layers, prompts, feature_s, sources,
+                     whole if prompts else None)
 
 
-def feature_pass_target(cfg: TrainConfig, target: TargetModel) -> Callable[[], TargetModel] | None:
+def feature_pass_target(cfg: TrainConfig, target: TargetModel,
+                        whole: Callable[[], TargetModel] | None = None) -> Callable[[], TargetModel] | None:
     """None when `data.feature_pass` leaves the feature pass to the target as loaded; else a callable that makes (once,
-    when a store is missing) the bfloat16 copy of the target that computes it."""
+    when a store is missing) the bfloat16 copy of the target (of `whole()`, the target with its layers: default
+    `target.whole`) that computes it."""
+    whole = whole or target.whole
     want = cfg.data.feature_pass
     if want == "target" or target.dtype == torch.bfloat16 or (want == "auto" and not native_bfloat16(target.device)):
         return None
-    return functools.cache(lambda: TargetModel(target.name, copy.deepcopy(target.model).to(torch.bfloat16),
+    return functools.cache(lambda: TargetModel(target.name, copy.deepcopy(whole().model).to(torch.bfloat16),
                                                target.tokenizer, target.source))
 
 
@@ -818,7 +915,7 @@ class Schedule:
         return self.lr * warm * 0.5 * (1 + math.cos(math.pi * self.progress(state)))
 
 
-def fit(cfg: TrainConfig, head, opt, params, target, data: TrainData, run: Path, state: dict | None,
+def fit(cfg: TrainConfig, head, optim: Optim, target, data: TrainData, run: Path, state: dict | None,
         ranks: Ranks = Ranks()) -> dict:
     """The training steps from `state` (None: the start) to the end of the budget, with checkpoints every
     `save_every_minutes` and validation every `eval.every_minutes` and at the end; returns the final state. A step
@@ -855,7 +952,7 @@ def fit(cfg: TrainConfig, head, opt, params, target, data: TrainData, run: Path,
                                    torch.Generator().manual_seed(cfg.seed * 7919 + state["epoch"]), groups)
             for b in range(state["batch_in_epoch"], steps_per_epoch):
                 micro = [batches[b * per_step + a * ranks.count + ranks.index] for a in range(cfg.optim.accumulate)]
-                m = train_step(cfg, head, opt, params, target, data, micro, schedule.lr_at(state), state, run, ranks)
+                m = train_step(cfg, head, optim, target, data, micro, schedule.lr_at(state), state, run, ranks)
                 state["step"] += 1
                 state["batch_in_epoch"] = b + 1
                 state["train_s"] += m.pop("seconds")
@@ -870,39 +967,41 @@ def fit(cfg: TrainConfig, head, opt, params, target, data: TrainData, run: Path,
                 if schedule.progress(state) >= 1.0:
                     break
                 if cfg.eval.every_minutes > 0 and state["train_s"] - last_val >= cfg.eval.every_minutes * 60:
-                    checkpoint_and_validate(cfg, head, opt, target, data, run, state, log, ranks, final=False)
+                    checkpoint_and_validate(cfg, head, optim, target, data, run, state, log, ranks, final=False)
                     last_val = last_save = state["train_s"]
                 elif state["train_s"] - last_save >= cfg.save_every_minutes * 60:
                     state["log_bytes"] = log.mark()
                     if ranks.main:
-                        save_checkpoint(run, head, opt, state)
+                        save_checkpoint(run, head, optim, state)
                     ranks.barrier()
                     last_save = state["train_s"]
             else:
                 state["epoch"] += 1
                 state["batch_in_epoch"] = 0
         bar.close()
-        checkpoint_and_validate(cfg, head, opt, target, data, run, state, log, ranks, final=True)
+        checkpoint_and_validate(cfg, head, optim, target, data, run, state, log, ranks, final=True)
     finally:
         bar.close()
         log.close()
     return state
 
 
-def train_step(cfg: TrainConfig, head, opt, params, target, data: TrainData, micro: list[list[int]], lr: float,
+def train_step(cfg: TrainConfig, head, optim: Optim, target, data: TrainData, micro: list[list[int]], lr: float,
                state: dict, run: Path, ranks: Ranks = Ranks()) -> dict:
     """One optimizer step on this process's micro-batches `micro` (rows of each): their gradients averaged, and with
     several processes averaged over them too (`train.parallel.average_gradients`, which also sums the metrics and
     seconds, so every process sees the same). Returns the step's metrics (loss and accuracy: the means over the
     micro-batches), `tokens_all` (every process's) and `seconds` (their mean). A loss or gradient norm that is not
     finite on any process stops training on all of them with a TrainError naming the last good checkpoint, before
-    the weights change."""
+    the weights change; with float16 products a gradient that overflowed skips the step and lowers the loss scale
+    instead (`torch.amp.GradScaler`)."""
     t0 = time.perf_counter()
     p0 = next(head.parameters())
     dev, dtype, A = p0.device, p0.dtype, len(micro)
-    for g in opt.param_groups:
+    compute, scaler = optim.precision.compute, optim.scaler
+    for g in optim.opt.param_groups:
         g["lr"] = lr
-    opt.zero_grad(set_to_none=True)
+    optim.opt.zero_grad(set_to_none=True)
     sums, extra = [0.0, 0.0, 0.0, 0.0], {}  # loss, acc, tokens, non-finite losses; the last batch's other metrics
     for a, batch in enumerate(micro):
         ids, mask, f = collate(data.rows, data.feats, batch, target, data.layers, cfg.loss.positions == "all")
@@ -910,37 +1009,40 @@ def train_step(cfg: TrainConfig, head, opt, params, target, data: TrainData, mic
         # draws whatever the split between processes and accumulation
         gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + state["step"] * A * ranks.count
                                             + a * ranks.count + ranks.index)
-        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=cfg.mixed_precision == "bf16"):
-            loss, m = head_loss(head, ids.to(dev), mask.to(dev), f.to(dev, dtype), cfg, gen)
+        with torch.autocast(dev.type, dtype=compute or torch.bfloat16, enabled=compute is not None):
+            loss, m = head_loss(head, ids.to(dev, non_blocking=True), mask.to(dev, non_blocking=True),
+                                f.to(dev, dtype, non_blocking=True), cfg, gen)
         if not math.isfinite(m["loss"]):
             sums[3] += 1
             continue
-        (loss / A if A > 1 else loss).backward()
+        scaler.scale(loss / A if A > 1 else loss).backward()
         sums[0], sums[1], sums[2] = sums[0] + m["loss"], sums[1] + m["acc"], sums[2] + ids.numel()
         extra = {k: v for k, v in m.items() if k not in ("loss", "acc")}
     seconds = time.perf_counter() - t0
-    total = average_gradients(params, [*sums, seconds], ranks)
+    total = average_gradients(optim.params, [*sums, seconds], ranks)
     where = f"at step {state['step']} (batch {state['batch_in_epoch']} of epoch {state['epoch']})"
     if total[3]:
         raise TrainError(f"loss is nan at step {state['step']} (batch {state['batch_in_epoch']} of epoch "
                          f"{state['epoch']}): training stopped; {last_good(run, state['step'])}")
+    scaler.unscale_(optim.opt)
     if cfg.optim.grad_clip:
-        norm = torch.nn.utils.clip_grad_norm_(params, cfg.optim.grad_clip)
-        if not math.isfinite(float(norm)):  # before the step: the weights stay finite
+        norm = torch.nn.utils.clip_grad_norm_(optim.params, cfg.optim.grad_clip)
+        if not math.isfinite(float(norm)) and not scaler.is_enabled():  # before the step: the weights stay finite
             raise TrainError(f"gradient norm is {float(norm)} {where}: training stopped; "
                              f"{last_good(run, state['step'])}")
-    opt.step()
+    scaler.step(optim.opt)  # (fp16: skipped when a gradient overflowed; the next steps run at a lower scale)
+    scaler.update()
     n = A * ranks.count
     return {"loss": total[0] / n, "acc": total[1] / n, **extra, "tokens_all": int(total[2]),
             "seconds": total[4] / ranks.count}
 
 
-def checkpoint_and_validate(cfg: TrainConfig, head, opt, target, data: TrainData, run: Path, state: dict,
+def checkpoint_and_validate(cfg: TrainConfig, head, optim: Optim, target, data: TrainData, run: Path, state: dict,
                             log: RunLog, ranks: Ranks, final: bool) -> None:
     """Validate (every process its share); the main process exports the head to `out` when its simulated tau is the
     best so far, then writes the checkpoint."""
     check_finite(head, run, state)
-    v = validate(head, target, data.val_rows, data.val_feats, data.prompts, cfg, ranks)
+    v = validate(head, target, data.val_rows, data.val_feats, data.prompts, cfg, ranks, data.decode_target)
     score = v["val_sim_tau"]  # every held-out row, so far less noisy than decoding a few prompts
     best = score > state["best_tau"]
     if best:
@@ -951,8 +1053,8 @@ def checkpoint_and_validate(cfg: TrainConfig, head, opt, target, data: TrainData
     state["log_bytes"] = log.mark()
     if ranks.main:
         if best:
-            save_head(head, Path(cfg.out), extra={"step": state["step"], **v})
-        save_checkpoint(run, head, opt, state)
+            save_head(head, Path(cfg.out), extra={"step": state["step"], **v}, dtype=optim.precision.save)
+        save_checkpoint(run, head, optim, state)
         tqdm.write("validation: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                                               for k, v in rec.items()))
     ranks.barrier()
