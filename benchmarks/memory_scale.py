@@ -4,7 +4,9 @@ of a 3B model's width (hidden 3,072, 24 heads, 8 key-value heads, MLP 8,192, Smo
 
 1. prep with one-turn regeneration (48 new tokens) of 30 and of 240 ShareGPT rows: peak RSS of each
    (`/usr/bin/time -f %M`), the features' bytes on the disk and their dtype. The growth from 30 to 240 rows must stay
-   under 25 % of the 240-row run's feature bytes (features stream to the disk as they are made).
+   under 25 % of the 240-row run's feature bytes (features stream to the disk as they are made). The rows are
+   ordered longest prompt first (`make_data`), so both runs start with the batches that set the peak: a random
+   sample of 240 rows holds longer prompts than one of 30, which is the batch's memory, not the data's.
 2. `eagle plan` for the 240-row run: its feature bytes and peak host memory against the measured ones (within 25 %).
 3. training 3 steps on cached features (eval.num_prompts=0) beside the 1-layer and the 8-layer target: the peak RSS
    of the two may differ by less than 15 % of the 7 extra layers' bytes (only embedding, final norm and lm_head are
@@ -51,6 +53,34 @@ def make_target(folder: Path, layers: int) -> Path:
     return folder
 
 
+def make_data(path: Path, tokenizer, rows: int, max_prompt: int) -> Path:
+    """`rows` ShareGPT conversations prep keeps (first prompt at most `max_prompt` tokens), longest prompt first:
+    regeneration runs the longest batches first, so a prefix of the file of 30 rows and the whole file start with the
+    same batches, those that set the peak (prefill, KV cache, feature buffers), and differ in how many shorter rows
+    follow: the memory those add is what grows with the data."""
+    import importlib
+
+    from data_prep.sources import load_conversations
+
+    regenerate = importlib.import_module("data_prep.regenerate")
+    convs, _ = load_conversations("sharegpt", max_rows=rows * 2, allow_no_assistant=True)
+    seen, kept = set(), []
+    for msgs in convs:
+        head, users = regenerate.user_turns(msgs)
+        if not users:
+            continue
+        try:
+            ids = regenerate.prompt_ids(tokenizer, head + users[:1], max_prompt)
+        except regenerate.SkipRow:
+            continue
+        if tuple(ids) not in seen:
+            seen.add(tuple(ids))
+            kept.append((len(ids), head + users[:1]))
+    kept = sorted(kept[:rows], key=lambda k: -k[0])
+    path.write_text("".join(json.dumps({"messages": msgs}) + "\n" for _, msgs in kept))
+    return path
+
+
 def timed(argv: list[str], log: Path) -> tuple[int, float]:
     """(peak RSS in bytes, seconds) of a command, its output in `log`."""
     t0 = time.perf_counter()
@@ -92,7 +122,9 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     small, large = (int(r) for r in args.rows.split(","))
     one, eight = make_target(work / "llama-1", 1), make_target(work / "llama-8", 8)
-    prep_args = ["--data", "sharegpt", "--regenerate", "--max-turns", "1", "--max-new-tokens", args.max_new_tokens,
+    _, tok = target_config(str(one))
+    data = make_data(work / f"data-{args.max_length}.jsonl", tok, large, args.max_length - args.max_new_tokens)
+    prep_args = ["--data", data, "--regenerate", "--max-turns", "1", "--max-new-tokens", args.max_new_tokens,
                  "--max-length", args.max_length, "--regen-batch-size", args.batch, "--dtype", "bfloat16",
                  "--device", "cpu", "--overwrite"]
     result: dict = {"width": WIDTH, "max_new_tokens": args.max_new_tokens, "max_length": args.max_length,
@@ -111,7 +143,7 @@ def main() -> None:
     result["prep_growth_share_of_features"] = round(growth / prep[large]["feature_bytes"], 3)
 
     # 2. the plan of the large run
-    done = subprocess.run(eagle("plan", "--target", one, "--data", "sharegpt", "--max-rows", large,
+    done = subprocess.run(eagle("plan", "--target", one, "--data", data, "--max-rows", large,
                                 "--max-new-tokens", args.max_new_tokens, "--max-turns", 1, "--max-length",
                                 args.max_length, "--regen-batch-size", args.batch, "--dtype", "bfloat16", "--json"),
                           capture_output=True, text=True, check=True)
@@ -125,14 +157,16 @@ def main() -> None:
     #    prepared itself, so every feature is cached), then the plan of that training run
     train = {}
     for target, name in ((one, "1-layer"), (eight, "8-layer")):
-        data = work / f"prep-{small}" if target == one else work / f"prep8-{small}"
+        prepared = work / f"prep-{small}" if target == one else work / f"prep8-{small}"
         if target == eight:
-            timed(eagle("prep", "--target", eight, "--out", data, "--max-rows", small, *prep_args), work / "prep8.log")
+            timed(eagle("prep", "--target", eight, "--out", prepared, "--max-rows", small, *prep_args),
+                  work / "prep8.log")
         run = work / f"train-{name}"
         shutil.rmtree(run, ignore_errors=True)
-        rss, seconds = timed(eagle("train", f"model.target={target}", f"data.prepared={data}", f"run_dir={run}",
+        rss, seconds = timed(eagle("train", f"model.target={target}", f"data.prepared={prepared}", f"run_dir={run}",
                                    f"out={run}/head", "budget.max_steps=3", "eval.num_prompts=0",
                                    "eval.every_minutes=0", f"optim.batch_tokens={args.batch_tokens}",
+                                   f"data.max_length={args.max_length}",
                                    "model.dtype=bfloat16", "tensorboard=false", "device=cpu"),
                              work / f"train-{name}.log")
         train[name] = {"peak_rss": rss, "seconds": round(seconds, 1)}
@@ -142,7 +176,7 @@ def main() -> None:
     result["seven_layers_bytes"] = layer_bytes
     result["train_difference_share_of_layers"] = round(
         (train["8-layer"]["peak_rss"] - train["1-layer"]["peak_rss"]) / layer_bytes, 3)
-    done = subprocess.run(eagle("plan", "--target", one, "--data", "sharegpt", "--max-rows", small,
+    done = subprocess.run(eagle("plan", "--target", one, "--data", data, "--max-rows", small,
                                 "--max-new-tokens", args.max_new_tokens, "--max-length", args.max_length,
                                 "--dtype", "bfloat16", "--batch-tokens", args.batch_tokens, "--json"),
                           capture_output=True, text=True, check=True)

@@ -28,8 +28,8 @@ from pathlib import Path
 import torch
 
 from eagle.faults import fault
-from eagle.features import (SHARD_BYTES, ShardFile, check_room, data_offset, next_shard_name, read_index, write_index,
-                            write_whole)
+from eagle.features import (PREP_HINT, SHARD_BYTES, ShardFile, check_room, data_offset, next_shard_name, read_index,
+                            write_index, write_whole)
 
 SHARD_SECONDS = 60.0
 
@@ -89,7 +89,7 @@ class Journal:
         print(f"target features of the regenerated rows: at most {size / 2**20:,.1f} MiB ({rows:,} replies to make, "
               f"{tokens:,} tokens with their prompts, {str(self.dtype).removeprefix('torch.')}), written to "
               f"{self.folder} as they are made")
-        check_room(self.folder, size, "target features of the regenerated rows")
+        check_room(self.folder, size, "target features of the regenerated rows", PREP_HINT)
 
     def add(self, conv: int, prompt: list[int], new_ids: list[int], hit_eos: bool,
             features: torch.Tensor | None = None) -> None:

@@ -44,7 +44,7 @@ from data_prep.render import Example, SkipRow, check_chat_template, render_examp
 from data_prep.sources import DataError, first_turns, load_conversations
 from eagle.configio import save_config
 from eagle.device import resolve_dtype
-from eagle.features import DTYPES as FEATURE_DTYPES, check_room, default_dtype, features_dir
+from eagle.features import DTYPES as FEATURE_DTYPES, PREP_HINT, check_room, default_dtype, features_dir
 
 
 @dataclass
@@ -285,7 +285,7 @@ def check_feature_room(cfg: PrepConfig, convs: list[list[dict]], tokenizer, hidd
     if len(convs) * cfg.max_length * width * 1.01 <= shutil.disk_usage(nearest_dir(Path(cfg.out))).free:
         return
     _, rows = planned_rows(cfg, tokenizer, convs)
-    check_room(Path(cfg.out), sum(rows) * width, "target features of the regenerated rows")
+    check_room(Path(cfg.out), sum(rows) * width, "target features of the regenerated rows", PREP_HINT)
 
 
 def nearest_dir(path: Path) -> Path:

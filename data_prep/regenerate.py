@@ -59,6 +59,9 @@ def user_turns(messages: list[dict]) -> tuple[list[dict], list[dict]]:
 
 
 DEADLINE_CHUNK = 8  # with a deadline, prompts are sorted by length within chunks of this many batches
+# tokens (rows x columns) a prefill runs at once: its activations (an 8B target's MLP: ~130 kB a token in bf16) are
+# one chunk's, not the whole batch's (64 prompts of 2,000 tokens: 17 GB)
+PREFILL_TOKENS = 4096
 
 
 @dataclass
@@ -84,8 +87,13 @@ def greedy_replies(target, prompts: list[list[int]], max_new_tokens: int, batch_
     1.15 s with a concatenating cache (BENCHMARKS.md). `on_reply(i, reply)` is called as each
     prompt's reply is done.
 
+    The prompts run longest first: the batch that needs the most memory comes first (a run that will not fit
+    fails at once), and the buffers of later, shorter batches fit where the earlier ones were, so the host memory
+    glibc holds does not creep up batch after batch as it did shortest first (+440 MB over 15 batches of a
+    3,072-wide target; benchmarks/memory_scale.py). The prefill runs in chunks of `PREFILL_TOKENS`.
+
     With `keep_features` the features (in `feature_dtype`, default the target's) come to the host once a step for
-    the whole batch, into one buffer per row of the batch; a finished row's reach `on_reply`, which writes them away
+    the whole batch, into one buffer for the batch; a finished row's reach `on_reply`, which writes them away
     (prep's journal), and are kept in the returned replies only when there is no `on_reply`. Host memory then
     holds the batch's features, whatever the number of prompts.
 
@@ -93,14 +101,14 @@ def greedy_replies(target, prompts: list[list[int]], max_new_tokens: int, batch_
     the previous batch (so a slow machine does not overrun the budget by a whole batch: minutes at batch 128),
     and the prompts never started get None. The prompts are then sorted by length within chunks of
     `DEADLINE_CHUNK` batches taken in input order, so what gets done is the input's first chunks (and the shorter
-    part of the last one started) rather than its shortest prompts. Sorting only within each batch cost ~30 % of
+    part of the last one started) rather than its longest prompts. Sorting only within each batch cost ~30 % of
     the new tokens per second here (every batch is padded to its longest prompt: 96 against 138 tokens/s for the
     same 256 prompts at batch 128, BENCHMARKS.md).
     """
     out: list[Reply | None] = [None] * len(prompts)
     chunk = max(1, len(prompts)) if deadline is None else DEADLINE_CHUNK * batch_size
     order = [i for c in range(0, len(prompts), chunk)
-             for i in sorted(range(c, min(c + chunk, len(prompts))), key=lambda i: len(prompts[i]))]
+             for i in sorted(range(c, min(c + chunk, len(prompts))), key=lambda i: -len(prompts[i]))]
     dev = target.device
     fdtype = feature_dtype or target.dtype
     started = None  # when the previous batch started
@@ -120,19 +128,25 @@ def greedy_replies(target, prompts: list[list[int]], max_new_tokens: int, batch_
             attn[r, width - len(prompts[i]):] = 1
         attn, pos = attn.to(dev), (attn.cumsum(-1) - 1).clamp(min=0).to(dev)
         cache = preallocated_cache()
-        last, _ = target.hidden(ids.to(dev), pos, attn, cache)
+        # the batch's features on the host, [rows, columns, H], as the prompts and the tokens fill the columns: one
+        # buffer a batch (buffers per row, freed at different times, left glibc's heap holding more every batch)
+        feats = torch.zeros(len(rows), width + max_new_tokens, target.hidden_size, dtype=fdtype) \
+            if keep_features else None
+        #    In chunks of about PREFILL_TOKENS (rows x columns): the prefill holds one chunk's activations at a
+        #    time, whatever the prompts' length, and each chunk's features come to the host in one copy.
+        step = max(1, PREFILL_TOKENS // len(rows))
+        for c in range(0, width, step):
+            end = min(width, c + step)
+            last, _ = target.hidden(ids[:, c:end].to(dev), pos[:, c:end], attn[:, :end], cache)
+            if keep_features:
+                feats[:, c:end] = last.to("cpu", fdtype)
         nxt = target.logits(last[:, -1]).argmax(-1)
         new = {i: [] for i in rows}
-        feats = {}  # per row of the batch: [prompt + max_new_tokens, H] on the host, filled as the tokens come
-        if keep_features:
-            host = last.to("cpu", fdtype)  # one copy for the batch
-            for r, i in enumerate(rows):
-                feats[i] = host.new_zeros(len(prompts[i]) + max_new_tokens, host.shape[-1])
-                feats[i][: len(prompts[i])] = host[r, width - len(prompts[i]):]
-            del host
         pos = pos[:, -1]
         live = list(rows)  # the original index of each batch row
+        slot = {i: r for r, i in enumerate(rows)}  # a prompt's row of `feats`
         alive = [True] * len(live)
+        fed = 0  # decoding steps so far: step k feeds every live row's token k
         while True:
             # 2. Record each row's token; a row that ends (eos or max_new_tokens) is done.
             for r, (i, t) in enumerate(zip(live, nxt.tolist())):
@@ -141,9 +155,9 @@ def greedy_replies(target, prompts: list[list[int]], max_new_tokens: int, batch_
                 new[i].append(t)
                 if t in eos or len(new[i]) >= max_new_tokens:
                     alive[r] = False
-                    # the last row stays zeros: the last new token is never fed back
-                    f = feats.pop(i)[: len(prompts[i]) + len(new[i])] if keep_features else None
-                    out[i] = Reply(new[i], t in eos, f if on_reply is None else None)
+                    # the last column stays zeros: the last new token is never fed back
+                    f = feats[slot[i], width - len(prompts[i]): width + len(new[i])] if keep_features else None
+                    out[i] = Reply(new[i], t in eos, f.clone() if f is not None and on_reply is None else None)
                     if on_reply is not None:
                         on_reply(i, Reply(new[i], t in eos, f))
             n_alive = sum(alive)
@@ -162,11 +176,9 @@ def greedy_replies(target, prompts: list[list[int]], max_new_tokens: int, batch_
             pos = pos + 1
             last, _ = target.hidden(nxt[:, None], pos[:, None], attn, cache)
             nxt = target.logits(last[:, -1]).argmax(-1)
-            if keep_features:
-                host = last[:, -1].to("cpu", fdtype)  # one copy a step for the batch
-                for r, i in enumerate(live):
-                    if alive[r]:
-                        feats[i][len(prompts[i]) + len(new[i]) - 1] = host[r]
+            fed += 1
+            if keep_features:  # one copy a step for the batch, into the column of the token just fed
+                feats[[slot[i] for i in live], width + fed - 1] = last[:, -1].to("cpu", fdtype)
     return out
 
 

@@ -57,14 +57,17 @@ def features_dir(prepared: str | Path, split: str, target, layers: list[int] | N
     return Path(prepared) / f"features-{split}-{target.identity}-{target.hidden_size}{key}"
 
 
-def check_room(folder: Path, nbytes: int, what: str) -> None:
+TRAINING_HINT = "keep the features in bfloat16 (data.feature_dtype), or compute them per batch (data.online=true)"
+PREP_HINT = "keep them in bfloat16 (--feature-dtype bfloat16), or leave them to training (--no-save-features)"
+
+
+def check_room(folder: Path, nbytes: int, what: str, hint: str = TRAINING_HINT) -> None:
     """Refuse, in one line, to write `nbytes` into `folder` when its disk has not that much room (and 1 % more)."""
     folder.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(folder).free
     if nbytes * 1.01 > free:
         raise FeatureError(f"{what}: {nbytes / 2**30:,.2f} GiB do not fit in {str(folder)!r} ({free / 2**30:,.2f} GiB "
-                           "free); free some room, keep the features in bfloat16 (data.feature_dtype), or compute "
-                           "them per batch (data.online=true)")
+                           f"free); free some room, {hint}")
 
 
 def write_whole(path: Path, data: bytes) -> None:

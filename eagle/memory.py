@@ -19,6 +19,9 @@ slack, which `CUDA_CONTEXT` and `ALLOCATOR_SLACK` stand for.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -133,11 +136,11 @@ class PrepNeeds:
 
 def prep_needs(size: TargetSize, prompt_tokens: list[int], max_new_tokens: int, batch: int, target_bytes: int,
                feature_bytes_per_value: int, on_host: bool = True, keep_features: bool = True,
-               runtime: int = 0) -> PrepNeeds:
+               runtime: int = 0, prefill_tokens: int = 4096) -> PrepNeeds:
     """One-turn regeneration of prompts of `prompt_tokens` tokens (replies of at most `max_new_tokens`, batches of
-    `batch` prompts of similar length). `on_host`: the target runs on the CPU, so its weights and the batch's working
-    tensors are in host memory; else on a GPU. `runtime`: the process before any of it (the interpreter, torch, the
-    tokenizer, the conversations read)."""
+    `batch` prompts of similar length, prefilled in chunks of about `prefill_tokens` tokens). `on_host`: the target
+    runs on the CPU, so its weights and the batch's working tensors are in host memory; else on a GPU. `runtime`:
+    the process before any of it (the interpreter, torch, the tokenizer, the conversations read)."""
     H, V = size.hidden, size.vocab
     order = sorted(prompt_tokens)
     worst, rows_on_host = Needs(), 0
@@ -148,15 +151,17 @@ def prep_needs(size: TargetSize, prompt_tokens: list[int], max_new_tokens: int, 
         parts = {
             # the batch's KV cache: every layer's keys and values for the longest row, in preallocated buffers
             "kv_cache": B * _cap(L) * size.layers * 2 * size.kv_dim * target_bytes,
-            # one layer's prefill at a time: hidden, residual, norm, q, k, v, attention out; the MLP's gate, up,
-            # product
-            "prefill": B * P * (5 * H + 2 * size.kv_dim + 3 * size.intermediate) * target_bytes,
+            # one layer's prefill of one chunk at a time: hidden, residual, norm, q, k, v, attention out; the MLP's
+            # gate, up, product
+            "prefill": B * min(P, max(1, prefill_tokens // B)) * (5 * H + 2 * size.kv_dim + 3 * size.intermediate)
+            * target_bytes,
             "logits": B * V * 4,
         }
         if sum(parts.values()) > worst.total:
             worst = Needs(parts)
-        # each row's features on the host as they come, and the prefill's one copy of the batch's
-        rows_on_host = max(rows_on_host, B * (L + P) * H * feature_bytes_per_value if keep_features else 0)
+        # each row's features on the host as they come, and a prefill chunk's copy
+        rows_on_host = max(rows_on_host, (B * L + min(B * P, prefill_tokens)) * H * feature_bytes_per_value
+                           if keep_features else 0)
     model = {"target": size.params * target_bytes, **worst.parts}
     host = {"runtime": runtime, **(model if on_host else {}), "feature_rows": rows_on_host}
     disk = feature_bytes([p + max_new_tokens for p in prompt_tokens], H, feature_bytes_per_value) \
@@ -166,11 +171,12 @@ def prep_needs(size: TargetSize, prompt_tokens: list[int], max_new_tokens: int, 
 
 def train_needs(size: TargetSize, head: HeadSize, batch_tokens: int, steps: int = 1, unroll_fraction: float = 1.0,
                 online: bool = False, target_bytes: int = 2, head_bytes: int = 4, compute_bytes: int | None = None,
-                cuda: bool = False, runtime: int = 0) -> Needs:
+                cuda: bool = False, runtime: int = 0, scored: float = 1.0) -> Needs:
     """One training process's peak device memory, by part: the target (embedding, final norm and lm_head on cached
     features; all of it online), the head's weights, gradients and AdamW states in `head_bytes`, its copy of the
     draft vocabulary's lm_head rows, and what a step of `batch_tokens` padded tokens keeps for its backward pass
-    (`steps` unrolled steps of the training-time test, steps 2.. on `unroll_fraction` of the positions)."""
+    (`steps` unrolled steps of the training-time test, steps 2.. on `unroll_fraction` of the positions; logits on
+    the `scored` share of the positions: all, or the assistant tokens, `loss.positions`)."""
     H, I, T, Vd = size.hidden, size.intermediate, batch_tokens, head.draft_vocab
     c = compute_bytes or head_bytes
     kvd = size.kv_dim
@@ -179,7 +185,7 @@ def train_needs(size: TargetSize, head: HeadSize, batch_tokens: int, steps: int 
     # norms: ~12 H-wide tensors) and the MLP's four I-wide ones, kept in the products' dtype, and in the head's
     # dtype where autocast copies them
     layer = (12 * H + 2 * kvd + 4 * I) * (c + (head_bytes if c != head_bytes else 0))
-    logits = 4 * Vd * 4  # q's logits and log-probabilities, p, and the gradient: float32
+    logits = int(4 * Vd * 4 * scored)  # q's logits and log-probabilities, p, and the gradient: float32
     rows_after = max(1, math.ceil(unroll_fraction * T)) if steps > 1 else 0
     unrolled = (steps - 1) * rows_after * (layer + logits)
     # the unrolled steps' keys and values, concatenated a step at a time, and each step's mask over them
@@ -213,3 +219,27 @@ def largest_batch_tokens(size: TargetSize, head: HeadSize, free: int, step: int 
         else:
             hi = mid
     return lo
+
+
+@functools.cache
+def _libc():
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+    except OSError:
+        return None
+    return libc if libc is not None and hasattr(libc, "mallopt") else None
+
+
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+
+
+def steady_host_memory(threshold: int = 1 << 20) -> None:
+    """Keep a loop's host memory from creeping: blocks of `threshold` bytes or more are mapped and unmapped on their
+    own (glibc's `mallopt(M_MMAP_THRESHOLD)`; nothing elsewhere). By default glibc raises that threshold to the
+    largest block freed so far (up to 32 MB), after which blocks of a few MB come from its heap and what is freed
+    stays there, scattered: regeneration's per-row feature buffers and prefill chunks held 490 MB more after 15
+    batches of a 3,072-wide target than after one, and 35 MB more with this set (benchmarks/memory_scale.py)."""
+    libc = _libc()
+    if libc is not None:
+        libc.mallopt(M_MMAP_THRESHOLD, threshold)

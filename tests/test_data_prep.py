@@ -449,12 +449,16 @@ def test_prepare_with_regeneration(tiny_target, tmp_path, capsys):
         assert [m["role"] for m in c] == ["user", "assistant"]
 
 
-def test_greedy_replies_match_plain_greedy_and_keep_the_features(tiny_target):
+def test_greedy_replies_match_plain_greedy_and_keep_the_features(tiny_target, monkeypatch):
     """Each reply is the prompt's own greedy continuation whatever its batch; rows that end leave the batch; the
     kept features equal one forward pass over prompt + reply (the never-fed last row is zeros)."""
+    import importlib
+
     import torch
 
     from data_prep.regenerate import greedy_replies
+
+    regenerate_module = importlib.import_module("data_prep.regenerate")
 
     tok = tiny_target.tokenizer
     prompts = [tok(t, add_special_tokens=False)["input_ids"] for t in
@@ -478,6 +482,12 @@ def test_greedy_replies_match_plain_greedy_and_keep_the_features(tiny_target):
     assert sorted(seen) == [0, 1, 2, 3] and all(r.features is None for r in low)
     for i, r in enumerate(got):
         assert seen[i].new_ids == r.new_ids and torch.equal(seen[i].features, r.features.to(torch.bfloat16))
+    # a prefill in chunks of a few columns (PREFILL_TOKENS) gives the same replies and features
+    monkeypatch.setattr(regenerate_module, "PREFILL_TOKENS", 7)
+    chunked = greedy_replies(tiny_target, prompts, 7, 3, tok.pad_token_id, eos, keep_features=True)
+    for r, c in zip(got, chunked):
+        assert c.new_ids == r.new_ids
+        torch.testing.assert_close(c.features, r.features, rtol=1e-9, atol=1e-9)
 
 
 def test_a_regeneration_deadline_keeps_a_prefix_of_the_prompts(tiny_target, monkeypatch):
@@ -500,9 +510,9 @@ def test_a_regeneration_deadline_keeps_a_prefix_of_the_prompts(tiny_target, monk
     clock = iter(range(100))  # each deadline check reads the next second: batches start at 0, 1 and 2, not at 3
     monkeypatch.setattr(regen_mod, "time", types.SimpleNamespace(perf_counter=lambda: next(clock)))
     got = greedy_replies(*args, deadline=3)
-    # chunk one, then the shorter prompt of chunk two ("Hello there" comes before the longer question)
-    assert [r.new_ids for r in got[:2]] == [r.new_ids for r in plain[:2]] and got[3].new_ids == plain[3].new_ids
-    assert got[2] is None and got[4] is None
+    # chunk one, then the longer prompt of chunk two (the question comes before "Hello there": longest first)
+    assert [r.new_ids for r in got[:3]] == [r.new_ids for r in plain[:3]]
+    assert got[3] is None and got[4] is None
     # a batch that would end after the deadline if it took as long as the previous one (1 s) does not start
     clock = iter(range(100))
     got = greedy_replies(*args, deadline=2.5)

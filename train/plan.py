@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from data_prep.prep import PrepConfig, planned_rows
+from data_prep.regenerate import PREFILL_TOKENS
 from eagle.device import resolve_dtype
 from eagle.features import default_dtype
 from eagle.memory import HeadSize, TargetSize, largest_batch_tokens, prep_needs, train_needs
@@ -54,6 +55,7 @@ class PlanConfig:
     steps: int = 0  # unrolled steps of the training-time test (0: 1 for eagle1, 7 for eagle3)
     unroll_fraction: float = 1.0
     batch_tokens: int | None = None  # unset: eagle train's default (optim.batch_tokens)
+    loss_positions: str = ""  # the positions scored, loss.positions: assistant or all (unset: eagle train's default)
     online: bool = False  # data.online: the target in the loop, no feature cache
     gpus: int = 0  # processes, one a GPU (0: this machine's devices; a CPU plan when there is no GPU)
     gpu_memory: float = 0.0  # GiB a GPU (0: this machine's free memory; for a CPU plan, the available RAM)
@@ -84,9 +86,15 @@ def gib(n: float) -> str:
 
 
 def rss_bytes() -> int:
-    """This process's peak resident memory so far (what the run itself starts from: interpreter, torch, data)."""
-    kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return kb * (1 if sys.platform == "darwin" else 1024)
+    """This process's resident memory now (what a run starts from: the interpreter, torch, the data read). From
+    /proc (ru_maxrss would carry a parent's peak across fork and exec)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
 
 
 def available_ram() -> int:
@@ -140,13 +148,17 @@ def make_plan(cfg: PlanConfig) -> Plan:
     runtime = rss_bytes()  # torch, transformers, the tokenizer and the conversations read: as prep starts
     prep_need = prep_needs(size, prompts if cfg.regenerate else [], prep.max_new_tokens, prep.regen_batch_size,
                            tdtype.itemsize, fdtype.itemsize, on_host=not cuda, keep_features=one_turn,
-                           runtime=runtime)
+                           runtime=runtime, prefill_tokens=PREFILL_TOKENS)
     # 3. training: one process's device
     train = TrainConfig()
     head = HeadSize.of(size, cfg.head_type, cfg.num_layers, cfg.draft_vocab)
     steps = cfg.steps or (7 if cfg.head_type == "eagle3" else 1)
+    positions = cfg.loss_positions or train.loss.positions
+    # the share of positions scored: every one, or the assistant tokens (replies of max_new_tokens at most)
+    replies = sum(r - p for r, p in zip(rows, prompts)) if cfg.regenerate else sum(rows)
+    scored = 1.0 if positions == "all" else min(1.0, replies / max(1, sum(rows)))
     kw = dict(steps=steps, unroll_fraction=cfg.unroll_fraction, online=cfg.online, target_bytes=tdtype.itemsize,
-              head_bytes=4, compute_bytes=2 if cuda else 4, cuda=cuda, runtime=0 if cuda else runtime)
+              head_bytes=4, compute_bytes=2 if cuda else 4, cuda=cuda, runtime=0 if cuda else runtime, scored=scored)
     batch_tokens = cfg.batch_tokens or train.optim.batch_tokens
     train_need = train_needs(size, head, batch_tokens, **kw)
     # EAGLE-3's training store holds the last hidden state and the three fused layers; prep's (one-turn
@@ -181,8 +193,9 @@ def report(p: Plan) -> str:
         f"data: {p.rows:,} rows, {p.tokens:,} tokens at most",
         f"features on the disk: {gib(p.feature_disk_bytes)} ({h['feature_dtype']})",
         f"prep's peak host memory: {gib(p.prep_peak_host_bytes)} ({parts(p.prep_parts)})"
-        + (f"; on its GPU: {gib(p.prep_peak_device_bytes)} ({parts(p.prep_device_parts)})"
-           if p.prep_peak_device_bytes else ""),
+        + (f"; on its GPU: {gib(p.prep_peak_device_bytes)} "
+           f"({'fits' if p.prep_peak_device_bytes <= p.device_bytes else 'DOES NOT FIT one GPU'}; "
+           f"{parts(p.prep_device_parts)})" if p.prep_peak_device_bytes else ""),
         f"training, each process on {where}: {gib(p.train_peak_device_bytes)} ({fits}; {parts(p.train_parts)}), "
         f"{h['type']} head of {h['params'] / 1e6:,.1f}M parameters, draft vocabulary {h['draft_vocab']:,}, "
         f"{h['steps']} step{'s' if h['steps'] > 1 else ''}, optim.batch_tokens {h['batch_tokens']:,}",
@@ -199,6 +212,17 @@ def plan_command(cfg: PlanConfig) -> int:
     return 0
 
 
+def scored_share(cfg: TrainConfig) -> float:
+    """The share of a batch's positions the loss scores: all of them, or (loss.positions assistant) the prepared
+    rows' assistant share as prep counted it (its summary.json; 1 where there is none)."""
+    if cfg.loss.positions == "all":
+        return 1.0
+    try:
+        return float(json.loads((Path(cfg.data.prepared) / "summary.json").read_text())["masked_fraction"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return 1.0
+
+
 def check_training_fits(cfg: TrainConfig, size: TargetSize, device: torch.device, target_bytes: int,
                         head_bytes: int, compute_bytes: int | None) -> None:
     """Refuse, in one line and before the target loads, a training run whose process needs more memory than its
@@ -209,7 +233,8 @@ def check_training_fits(cfg: TrainConfig, size: TargetSize, device: torch.device
     free = torch.cuda.mem_get_info(device)[0] if cuda else available_ram()
     head = HeadSize.of(size, cfg.model.head_type, cfg.model.num_layers, cfg.model.draft_vocab)
     kw = dict(steps=cfg.loss.steps, unroll_fraction=cfg.loss.unroll_fraction, online=cfg.data.online,
-              target_bytes=target_bytes, head_bytes=head_bytes, compute_bytes=compute_bytes, cuda=cuda)
+              target_bytes=target_bytes, head_bytes=head_bytes, compute_bytes=compute_bytes, cuda=cuda,
+              scored=scored_share(cfg))
     need = train_needs(size, head, cfg.optim.batch_tokens, **kw)
     if need.total > free:
         n = largest_batch_tokens(size, head, free, **kw)
