@@ -4,12 +4,12 @@ on held-out rows, next to chain decoding's acceptance at each position on the sa
     .venv/bin/python benchmarks/depth_agreement.py --draft runs/demo/head --prepared runs/demo/data --rows 8 --k 4
 
 Teacher-forced, depth s: the head is unrolled s steps on its own predicted features (the training-time test's
-attention, `train.loop.unrolled`, as the loss unrolls it) with the true tokens as inputs, over the held-out rows (the target's own
+attention, `train.losses.unrolled`, as the loss unrolls it) with the true tokens as inputs, over the held-out rows (the target's own
 greedy text when they were regenerated). Depth s agrees at position p when the head's depth-s token equals the
 target's argmax; the rate printed is conditional, as chain acceptance is: among positions where depths 1..s-1
 agreed (in a chain, a draft is only checked when every draft before it was accepted).
 
-Simulated: chain decoding with k drafts simulated along the same rows (`train.loop.simulated_accepts`, what
+Simulated: chain decoding with k drafts simulated along the same rows (`train.validate.simulated_accepts`, what
 validation measures): rounds start only where decoding would start them, right after the target's own token.
 
 Decoding: chain decoding with k drafts of the same rows' prompts (their first user turn), 128 new tokens; its
@@ -31,8 +31,10 @@ from eagle.features import features_dir
 from infer import SpeculativeDecoder
 from infer.evaluate import load_prompts
 from train.config import TrainConfig
-from train.loop import (acceptance_stats, cached_features, depth_counts, head_inputs, load_rows, simulated_accepts,
-                        target_features, unrolled)
+from train.data import load_rows
+from train.features import cached_features, target_features
+from train.losses import head_inputs, unrolled
+from train.validate import acceptance_stats, depth_counts, simulated_accepts
 
 
 @torch.inference_mode()

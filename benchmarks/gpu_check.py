@@ -107,8 +107,8 @@ def train_head(kind: str, target: TargetModel, data: Path, run: Path, seconds: f
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     state = train(load_config(TrainConfig, None, overrides), target=target)
-    return {"steps": state["step"], "tokens_per_s": round(state["tokens"] / max(state["train_s"], 1e-9), 1),
-            "sim_tau": round(state["best_tau"], 3), "peak_memory_mb": peak_memory_mb(device)}
+    return {"steps": state.step, "tokens_per_s": round(state.tokens / max(state.train_s, 1e-9), 1),
+            "sim_tau": round(state.best_tau, 3), "peak_memory_mb": peak_memory_mb(device)}
 
 
 def run(dec: SpeculativeDecoder, ids: list[list[int]], want, new_tokens: int, device: torch.device, **kw) -> dict:

@@ -9,7 +9,7 @@ A recipe is NAME=CONFIG[,KEY=VALUE,...] (overrides as `eagle train` takes them).
 longer), in `--out/NAME/BUDGET/`; a finished run is reused, so the script resumes where it stopped and new recipes
 or budgets can be added later. Each head is decoded on `--num-prompts` MT-bench prompts spread over the file
 (greedy, `--max-new-tokens`): a chain of 3 (tau and per-position acceptance) and the dynamic tree `--dynamic`
-(tau), beside the simulated tau of its last validation (every held-out row, `train.loop.validate`). The data's
+(tau), beside the simulated tau of its last validation (every held-out row, `train.validate.validate`). The data's
 preparation minutes (regeneration included) are read from the summary.json of `--data` and of every `data.extra`
 folder a recipe adds, plus the minutes training spent computing features prep did not leave, and shown beside the
 training minutes.
@@ -57,8 +57,8 @@ def train_at(name: str, config: str, overrides: list[str], minutes: float, data:
     prep = [prep_minutes(Path(d)) for d in [cfg.data.prepared, *cfg.data.extra]]
     # the feature pass training made for rows prep left without features (raw rows) counts as preparation
     return {"head": str(run / "head"), "prep_min": sum(m or 0.0 for m in prep) + state.get("feature_s", 0.0) / 60,
-            "train_min": state["train_s"] / 60, "steps": state["step"],
-            "tokens": state["tokens"], "sim_tau": state["best_tau"], "wall_min": (time.perf_counter() - t0) / 60}
+            "train_min": state.train_s / 60, "steps": state.step,
+            "tokens": state.tokens, "sim_tau": state.best_tau, "wall_min": (time.perf_counter() - t0) / 60}
 
 
 def decode(head: str, args, **settings) -> dict:

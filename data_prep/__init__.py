@@ -18,14 +18,14 @@ Modules, in pipeline order:
 This package imports only from `eagle`.
 """
 
-from data_prep.prep import PrepConfig, PrepSummary, load_examples, prepare, split_indices
+from data_prep.prep import PrepConfig, PrepSummary, iter_examples, load_examples, prepare, split_indices
 from data_prep.regenerate import RegenResult, regenerate, regenerate_with_stats
 from data_prep.render import Example, SkipRow, end_token_ids, render_example
 from data_prep.sources import DataError, SourceStats, load_conversations
 from data_prep.vocab import assistant_token_counts, draft_vocabulary
 
 __all__ = [
-    "PrepConfig", "PrepSummary", "prepare", "load_examples", "split_indices",
+    "PrepConfig", "PrepSummary", "prepare", "load_examples", "iter_examples", "split_indices",
     "regenerate", "regenerate_with_stats", "RegenResult",
     "Example", "SkipRow", "render_example", "end_token_ids",
     "DataError", "SourceStats", "load_conversations", "draft_vocabulary", "assistant_token_counts",

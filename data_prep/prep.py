@@ -354,10 +354,15 @@ def _finished(cfg: PrepConfig) -> PrepSummary | None:
 
 def load_examples(path: str | Path) -> list[Example]:
     """Read a train.jsonl / val.jsonl written by `prepare` back into Examples."""
+    return list(iter_examples(path))
+
+
+def iter_examples(path: str | Path):
+    """The Examples of a train.jsonl / val.jsonl, one at a time (a reader keeps what it needs of each, not a list of
+    them all: Python lists of ints take ~36 bytes a token)."""
     path = Path(path)
     if not path.is_file():
         raise DataError(f"examples file {str(path)!r} does not exist")
-    examples = []
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
@@ -369,5 +374,4 @@ def load_examples(path: str | Path) -> list[Example]:
                 raise DataError(f"{path}:{lineno}: not an {{input_ids, loss_mask}} row") from None
             if len(ex.input_ids) != len(ex.loss_mask):
                 raise DataError(f"{path}:{lineno}: input_ids and loss_mask differ in length")
-            examples.append(ex)
-    return examples
+            yield ex

@@ -94,9 +94,9 @@ def _fsync_dir(folder: Path) -> None:
         os.close(d)
 
 
-def read_index(folder: Path) -> dict | None:
+def read_index(folder: Path, name: str = "index.json") -> dict | None:
     try:
-        return json.loads((folder / "index.json").read_text())
+        return json.loads((Path(folder) / name).read_text())
     except (OSError, json.JSONDecodeError):
         return None
 
@@ -157,28 +157,37 @@ class ShardFile:
 
 class FeatureWriter:
     """Writes a store shard by shard; rows arrive in any order (`add`), each shard holds the rows in the order they
-    came, streamed to the disk as they come (`ShardFile`). Made over an existing index for the same rows, it keeps
-    its complete shards (`missing` leaves their rows out) and drops files no index names. Leaving the `with` block
-    by an exception drops the unfinished shard (its rows are computed again next time)."""
+    came, streamed to the disk as they come (`ShardFile`). Made over an existing store for the same rows, it keeps
+    its complete shards (`missing` leaves their rows out) and drops its files no index names. Leaving the `with`
+    block by an exception drops the unfinished shard (its rows are computed again next time).
+
+    With `part` (this process's number in a pass several share) it writes its own shards (`shard-pN-*`) and index
+    (`index-pN.json`), leaves the other parts' files alone, and counts the rows any index in the folder holds as
+    done; `join_parts` then writes the one `index.json` of them all."""
 
     def __init__(self, folder: Path, lengths: list[int], width: int, dtype: torch.dtype,
-                 shard_bytes: int | None = None):
+                 shard_bytes: int | None = None, part: int | None = None):
         self.folder, self.lengths, self.width, self.dtype = Path(folder), list(lengths), width, dtype
         self.shard_bytes = shard_bytes or SHARD_BYTES
+        self.index_name = "index.json" if part is None else f"index-p{part}.json"
+        self.prefix = "shard-" if part is None else f"shard-p{part}-"
         self.folder.mkdir(parents=True, exist_ok=True)
-        old = read_index(self.folder)
-        same = old is not None and old.get("lengths") == self.lengths and old.get("width") == width and \
-            old.get("dtype") == str(dtype)
         # a named shard that is cut short or unreadable (a disk error, a copy that stopped) is written again
-        self.shards: list[dict] = [s for s in old["shards"] if data_offset(self.folder / s["file"]) is not None] \
-            if same else []
-        named = {s["file"] for s in self.shards}
-        for f in self.folder.iterdir():  # a shard a killed pass left before its index named it, or a stale store's
-            if f.name not in named and f.name != "index.json" and f.name.startswith(("shard-", "index.json.tmp")):
+        found = {name: self._usable(name) for name in _index_names(self.folder)}
+        self.shards: list[dict] = found.get(self.index_name, [])
+        named = {s["file"] for shards in found.values() for s in shards}
+        for f in self.folder.iterdir():  # a shard a killed pass left before an index named it, or a stale store's
+            stale_index = part is None and f.name.startswith("index-p") and not found.get(f.name)
+            if (f.name.startswith(self.prefix) and f.name not in named) or stale_index or \
+                    f.name.startswith(self.index_name + ".tmp"):
                 f.unlink()
-        self.done = {i for s in self.shards for i in s["rows"]}
+        self.done = {i for shards in found.values() for s in shards for i in s["rows"]}
         self.open: ShardFile | None = None
         self.open_rows: list[int] = []
+
+    def _usable(self, index_name: str) -> list[dict]:
+        """The readable shards of an index in the folder made for these rows, width and dtype (else none)."""
+        return usable_shards(self.folder, index_name, self.lengths, self.width, self.dtype)
 
     def missing(self) -> list[int]:
         return [i for i in range(len(self.lengths)) if i not in self.done]
@@ -188,8 +197,8 @@ class FeatureWriter:
             raise ValueError(f"feature row {row}: shape {tuple(feats.shape)}, expected "
                              f"({self.lengths[row]}, {self.width})")
         if self.open is None:
-            self.open = ShardFile(self.folder / next_shard_name({s["file"] for s in self.shards}), self.width,
-                                  self.dtype)
+            taken = {s["file"] for s in self.shards} | {f.name for f in self.folder.glob(self.prefix + "*")}
+            self.open = ShardFile(self.folder / next_shard_name(taken, self.prefix), self.width, self.dtype)
         self.open.write(feats)
         self.open_rows.append(row)
         if self.open.nbytes >= self.shard_bytes:
@@ -206,7 +215,7 @@ class FeatureWriter:
         self._write_index()
 
     def _write_index(self) -> None:
-        write_index(self.folder, self.lengths, self.width, self.dtype, self.shards)
+        write_index(self.folder, self.lengths, self.width, self.dtype, self.shards, self.index_name)
 
     def __enter__(self) -> "FeatureWriter":
         return self
@@ -220,20 +229,52 @@ class FeatureWriter:
             self.open, self.open_rows = None, []
 
 
-def next_shard_name(taken: set[str]) -> str:
-    """The first `shard-NNNNN.safetensors` not in `taken` (a shard dropped as unreadable leaves a gap)."""
-    return next(f"shard-{n:05d}.safetensors" for n in range(len(taken) + 1)
-                if f"shard-{n:05d}.safetensors" not in taken)
+def _index_names(folder: Path) -> list[str]:
+    """The store's own index and the indexes of a shared pass's parts, in that order."""
+    parts = sorted(f.name for f in folder.glob("index-p*.json"))
+    return (["index.json"] if (folder / "index.json").exists() else []) + parts
 
 
-def write_index(folder: Path, lengths: list[int], width: int, dtype: torch.dtype, shards: list[dict]) -> None:
+def usable_shards(folder: Path, index_name: str, lengths: list[int], width: int, dtype: torch.dtype) -> list[dict]:
+    """The readable shards `folder/index_name` names, if it was made for rows of these `lengths`, `width` and
+    `dtype`; else none."""
+    index = read_index(folder, index_name)
+    if index is None or index.get("lengths") != list(lengths) or index.get("width") != width or \
+            index.get("dtype") != str(dtype):
+        return []
+    return [s for s in index["shards"] if data_offset(folder / s["file"]) is not None]
+
+
+def join_parts(folder: Path, lengths: list[int], width: int, dtype: torch.dtype) -> None:
+    """One `index.json` naming the shards of every part of a shared pass (and of the index already there), each
+    shard once; the parts' own indexes are removed once it is written."""
+    folder = Path(folder)
+    shards, seen = [], set()
+    for name in _index_names(folder):
+        for s in usable_shards(folder, name, lengths, width, dtype):
+            if s["file"] not in seen:
+                seen.add(s["file"])
+                shards.append(s)
+    write_index(folder, lengths, width, dtype, shards)
+    for f in folder.glob("index-p*.json"):
+        f.unlink()
+
+
+def next_shard_name(taken: set[str], prefix: str = "shard-") -> str:
+    """The first `{prefix}NNNNN.safetensors` not in `taken` (a shard dropped as unreadable leaves a gap)."""
+    return next(f"{prefix}{n:05d}.safetensors" for n in range(len(taken) + 1)
+                if f"{prefix}{n:05d}.safetensors" not in taken)
+
+
+def write_index(folder: Path, lengths: list[int], width: int, dtype: torch.dtype, shards: list[dict],
+                name: str = "index.json") -> None:
     """A store's index, written whole: `shards` name their files (relative to `folder`, which may lead out of it:
     a split's store can point into prep's journal) and the rows they hold, in order; with `at`, the token each of
     those rows starts at in its file (a shard shared with other stores), else the rows follow each other."""
     done = {i for s in shards for i in s["rows"]}
     index = {"lengths": list(lengths), "width": width, "dtype": str(dtype), "shards": shards,
              "complete": len(done) == len(lengths)}
-    write_whole(Path(folder) / "index.json", json.dumps(index).encode())
+    write_whole(Path(folder) / name, json.dumps(index).encode())
 
 
 class FeatureStore:

@@ -2,7 +2,7 @@
 of docs/bad-inputs.md, most through the command line (`eagle_cli.main`, whose errors are `eagle CMD: error: ...`
 and exit status 2), on a tiny random Llama saved as a model directory. The kill tests run `eagle train` in a
 subprocess and SIGKILL it: between the two renames of a checkpoint save (the EAGLE_FAULT injection point of
-`train.loop.save_checkpoint`) and at random instants; the resumed head must be bit for bit an uninterrupted run's."""
+`train.checkpoints.save_checkpoint`) and at random instants; the resumed head must be bit for bit an uninterrupted run's."""
 
 import json
 import os
@@ -25,7 +25,9 @@ from eagle.checkpoint import CheckpointError
 from eagle_cli import main
 from cpu_backend import CPUConfig
 from infer import SpeculativeDecoder
-from train.loop import TrainError, train
+from train.checkpoints import TrainState
+from train.config import TrainError
+from train.loop import train
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -377,13 +379,13 @@ def test_weights_that_are_not_finite_never_replace_a_good_checkpoint(target, tmp
 
     head = tiny_head(target)
     opt = loop.Optim.of(config(tmp_path), head, loop.Precision.of(config(tmp_path), torch.device("cpu"), target))
-    loop.save_checkpoint(tmp_path, head, opt, {"step": 4})
+    loop.save_checkpoint(tmp_path, head, opt, TrainState(step=4))
     good = (tmp_path / "checkpoint/head/model.safetensors").read_bytes()
     with torch.no_grad():
         head.fc.weight[0, 0] = float("inf")
     with pytest.raises(TrainError, match=f"^the weights are not finite after step 5 \\(fc.weight\\): training stopped; "
                                          f"the last good checkpoint, {tmp_path / 'checkpoint'} \\(step 4\\), is kept$"):
-        loop.save_checkpoint(tmp_path, head, opt, {"step": 5})
+        loop.save_checkpoint(tmp_path, head, opt, TrainState(step=5))
     assert (tmp_path / "checkpoint/head/model.safetensors").read_bytes() == good
 
 

@@ -537,7 +537,7 @@ def test_prepare_single_turn_rows_are_the_generated_ids_with_their_features(tiny
     import torch
 
     from eagle.features import FeatureStore, FeatureWriter, features_dir
-    from train.loop import target_features
+    from train.features import target_features
 
     data = write_jsonl(tmp_path / "prompts.jsonl", [{"turns": [f"Question {i}?"]} for i in range(8)])
     cfg = PrepConfig(target="tiny", data=str(data), out=str(tmp_path / "out"), regenerate=True,

@@ -91,11 +91,11 @@ def test_training_in_bf16_weights_and_in_bf16_autocast_runs_and_validates(tmp_pa
     write_prepared(tmp_path / "data", target)
     state = train(config(tmp_path, "budget.max_steps=3", "mixed_precision=bf16", "data.feature_dtype=bfloat16",
                          "device=cpu"), target=target)
-    assert state["step"] == 3 and state["best_tau"] >= 1.0
+    assert state.step == 3 and state.best_tau >= 1.0
     low = tiny_target(dtype=torch.bfloat16)
     state = train(config(tmp_path, "budget.max_steps=3", "model.dtype=bfloat16", f"run_dir={tmp_path / 'run16'}",
                          f"out={tmp_path / 'head16'}"), target=low)
-    assert state["step"] == 3 and state["best_tau"] >= 1.0
+    assert state.step == 3 and state.best_tau >= 1.0
 
 
 def test_the_gpu_check_runs_on_the_cpu_in_its_tiny_form():

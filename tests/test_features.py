@@ -40,17 +40,21 @@ def test_a_store_reads_back_its_rows_from_shards_in_any_order(tmp_path, monkeypa
 
 
 def test_a_killed_feature_pass_resumes_after_its_last_complete_shard(tmp_path, monkeypatch):
-    import train.loop as loop
+    import train.features as loop
     from test_train import config, write_prepared
+
+    from train.data import load_rows
 
     target = tiny_target(dtype=torch.float32)
     write_prepared(tmp_path / "data", target)
-    rows = loop.load_rows(config(tmp_path), "train", str(tmp_path / "data"))
+    rows = load_rows(config(tmp_path), "train", str(tmp_path / "data"))
     monkeypatch.setattr(features, "SHARD_BYTES", 32 * 4 * 40)  # a shard every ~40 tokens
     real, seen = loop.target_features, []
 
-    def killed(target, rows, todo, writer, desc, layers=None):
+    def killed(target, rows, todo, writer, desc, layers=None, ranks=None):
         class Dies:  # the writer of a process killed after 12 rows
+            dtype = writer.dtype
+
             def add(self, i, f):
                 if len(seen) == 12:
                     raise KeyboardInterrupt
@@ -67,8 +71,8 @@ def test_a_killed_feature_pass_resumes_after_its_last_complete_shard(tmp_path, m
     assert not index["complete"] and 0 < len(kept) <= 12 and kept <= set(seen)
     (folder / "shard-99999.safetensors").write_bytes(b"half")  # as a kill mid-write leaves one: never read
     computed = []
-    monkeypatch.setattr(loop, "target_features",
-                        lambda t, r, todo, w, d, layers=None: computed.extend(todo) or real(t, r, todo, w, d, layers))
+    monkeypatch.setattr(loop, "target_features", lambda t, r, todo, w, d, layers=None, ranks=None:
+                        computed.extend(todo) or real(t, r, todo, w, d, layers))
     store = loop.cached_features(target, rows, tmp_path / "data", "train")
     assert sorted(computed) == sorted(set(range(len(rows))) - kept)  # only what no complete shard held
     assert not (folder / "shard-99999.safetensors").exists()
@@ -81,12 +85,14 @@ def test_a_killed_feature_pass_resumes_after_its_last_complete_shard(tmp_path, m
 
 
 def test_a_shard_cut_short_after_the_pass_is_computed_again_and_nothing_else(tmp_path, monkeypatch):
-    import train.loop as loop
+    import train.features as loop
     from test_train import config, write_prepared
+
+    from train.data import load_rows
 
     target = tiny_target(dtype=torch.float32)
     write_prepared(tmp_path / "data", target)
-    rows = loop.load_rows(config(tmp_path), "train", str(tmp_path / "data"))
+    rows = load_rows(config(tmp_path), "train", str(tmp_path / "data"))
     monkeypatch.setattr(features, "SHARD_BYTES", 32 * 4 * 40)
     first = loop.cached_features(target, rows, tmp_path / "data", "train")
     want = [first[i].clone() for i in range(len(rows))]
@@ -98,7 +104,8 @@ def test_a_shard_cut_short_after_the_pass_is_computed_again_and_nothing_else(tmp
     assert FeatureStore.open(folder, [len(r[0]) for r in rows]) is None
     real, computed = loop.target_features, []
     monkeypatch.setattr(loop, "target_features",
-                        lambda t, r, todo, w, d, layers=None: computed.extend(todo) or real(t, r, todo, w, d, layers))
+                        lambda t, r, todo, w, d, layers=None, ranks=None:
+                        computed.extend(todo) or real(t, r, todo, w, d, layers))
     store = loop.cached_features(target, rows, tmp_path / "data", "train")
     assert sorted(computed) == sorted(index["shards"][1]["rows"])
     for i in range(len(rows)):  # the same features (recomputed rows batch with other rows: float sums may differ)
@@ -171,7 +178,7 @@ cfg = load_config(TrainConfig, None, ["model.target={tmp_path / 'tiny'}", "data.
 state = train(cfg)
 # VmHWM: this process image's peak resident memory (ru_maxrss would keep the forking parent's across exec)
 peak_kb = int(open("/proc/self/status").read().split("VmHWM:")[1].split()[0])
-print("steps", state["step"], "peak_mb", peak_kb / 1024)
+print("steps", state.step, "peak_mb", peak_kb / 1024)
 """
     env = {**os.environ, "OMP_NUM_THREADS": "2"}
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=600, env=env)

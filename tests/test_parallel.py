@@ -56,7 +56,7 @@ def test_two_processes_take_the_steps_of_one_with_two_micro_batches_and_one_writ
         for k in a:
             torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5, msg=k)
     # the console says how many processes ran, once; the saved config too
-    assert two.stdout.count("(2 processes)") == 1 and "(1 process)" in one.stdout
+    assert two.stdout.count("(2 processes,") == 1 and "(1 process," in one.stdout
     assert yaml.safe_load((setup / "two/run/config.yaml").read_text())["num_processes"] == 2
     # one writer: every step logged once, the same steps and losses as one process (to float32 sums' order)
     logs = [[json.loads(line) for line in (setup / name / "run/log.jsonl").read_text().splitlines()]
@@ -102,7 +102,8 @@ def test_launches_the_loop_does_not_serve_are_one_line_errors():
     from accelerate.utils import DistributedType
 
     from train.config import TrainConfig
-    from train.loop import Precision, TrainError, check_launch
+    from train.config import TrainError
+    from train.loop import Precision, check_launch
 
     def launch(kind=DistributedType.NO, precision="no", processes=1):
         return SimpleNamespace(distributed_type=kind, mixed_precision=precision, num_processes=processes)

@@ -12,7 +12,9 @@ from cpu_backend import kernels
 from eagle import EagleHead
 from eagle.configio import load_config
 from train.config import TrainConfig
-from train.loop import TrainError, drop_val_rows, train
+from train.config import TrainError
+from train.data import drop_val_rows
+from train.loop import train
 
 
 def write_prepared(path, target, rows=24, seed=0):
@@ -47,7 +49,7 @@ def test_training_lowers_the_loss_and_exports_a_loadable_head(tmp_path, target, 
     state = train(config(tmp_path, "budget.max_steps=40", "model.draft_vocab=40"), target=target)
     log = [json.loads(l) for l in (tmp_path / "run/log.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in log if "loss" in r]
-    assert state["done"] and state["step"] == 40
+    assert state.done and state.step == 40
     assert sum(losses[-5:]) / 5 < 0.85 * sum(losses[:5]) / 5
     head = EagleHead.from_pretrained(tmp_path / "head").attach(target)
     assert head.config.draft_vocab_size == 40
@@ -96,7 +98,7 @@ def test_resume_continues_exactly(tmp_path, target, monkeypatch):
 
     def save_then_die(run, head, opt, state):  # the process is killed right after the step-6 checkpoint
         real_save(run, head, opt, state)
-        if state["step"] == 6:
+        if state.step == 6:
             raise KeyboardInterrupt
 
     monkeypatch.setattr(loop, "save_checkpoint", save_then_die)
@@ -108,7 +110,7 @@ def test_resume_continues_exactly(tmp_path, target, monkeypatch):
     with pytest.raises(TrainError, match=r"was trained with optim.accumulate 1: resume it with 1 \(given: 2\)"):
         train(other, target=target)  # its batches would not be the ones the checkpoint's place in the epoch counts
     resumed = train(killed, target=target)  # the same command again
-    assert resumed["step"] == straight["step"] == 12
+    assert resumed.step == straight.step == 12
     a = EagleHead.from_pretrained(tmp_path / "a/checkpoint/head").trainable_state_dict()
     b = EagleHead.from_pretrained(tmp_path / "b/checkpoint/head").trainable_state_dict()
     for k in a:
@@ -154,9 +156,9 @@ def test_missing_data_and_missing_budget_are_one_line_errors(tmp_path, target):
 def test_16_bit_feature_cache(tmp_path, target, monkeypatch):
     """data.feature_dtype=bfloat16 keeps the cached features in 16 bits; the store is made from a float32 store of
     the same rows when there is one (not computed again), and training (float32 batches) still learns from it."""
-    import train.loop as loop
+    import train.features as loop
     from eagle.features import FeatureStore, features_dir
-    from train.loop import load_rows
+    from train.data import load_rows
 
     write_prepared(tmp_path / "data", target)
     layers = [0, 1, 2]
@@ -212,7 +214,7 @@ def test_unrolled_steps_see_what_drafting_sees():
     from tiny import tiny_head
 
     from eagle import HeadCache
-    from train.loop import unrolled_mask
+    from train.losses import unrolled_mask
 
     t = tiny_target()
     head = tiny_head(t)
@@ -253,7 +255,7 @@ def test_eagle3_and_online_training_learn(tmp_path, target, overrides):
                   target=target)
     log = [json.loads(l) for l in (tmp_path / "run/log.jsonl").read_text().splitlines()]
     acc = [r["acc"] for r in log if "acc" in r]
-    assert state["done"] and sum(acc[-5:]) / 5 > sum(acc[:5]) / 5 + 0.2
+    assert state.done and sum(acc[-5:]) / 5 > sum(acc[:5]) / 5 + 0.2
     head = EagleHead.from_pretrained(tmp_path / "head").attach(target)
     assert isinstance(head, Eagle3Head) == ("model.head_type=eagle3" in overrides)
     online = "data.online=true" in overrides
@@ -265,7 +267,7 @@ def test_eagle3_unrolled_steps_see_what_drafting_sees():
     from test_eagle3 import eagle3_head
 
     from eagle import HeadCache
-    from train.loop import unrolled_mask
+    from train.losses import unrolled_mask
 
     t = tiny_target()
     head = eagle3_head(t)
@@ -295,7 +297,7 @@ def test_sparse_unroll_equals_the_dense_one_along_its_chains(kind):
     from test_eagle3 import eagle3_head
     from tiny import tiny_head
 
-    from train.loop import chain_starts, unrolled
+    from train.losses import chain_starts, unrolled
 
     t = tiny_target()
     head = tiny_head(t) if kind == "eagle1" else eagle3_head(t)
@@ -330,7 +332,7 @@ def test_simulated_chain_on_a_hand_checked_row():
     """Indices 0-1 are prompt, 2-9 reply (scored[j]: token j + 2 is the reply's). The reply's first token is the
     target's, so rounds start at index 3: drafts 1-2 agree there (ok[3, 0], ok[4, 1]), the third does not; the next
     round starts at 6 and fails at once; the round at 7 accepts one; the round at 9 is cut by the reply's end."""
-    from train.loop import simulate_chain
+    from train.validate import simulate_chain
 
     scored = torch.tensor([False, False] + [True] * 8)
     ok = torch.zeros(10, 3, dtype=torch.bool)
@@ -343,7 +345,9 @@ def test_simulated_chain_on_a_hand_checked_row():
 def test_simulated_acceptance_is_what_decoding_accepts(tmp_path, target, monkeypatch):
     """Along rows the target wrote greedily, the simulated rounds are the decoder's rounds on their prompts."""
     from infer import SpeculativeDecoder
-    from train.loop import cached_features, load_rows, simulated_accepts
+    from train.data import load_rows
+    from train.features import cached_features
+    from train.validate import simulated_accepts
 
     # the simulation drafts in float32; decoding's int8 / bfloat16 drafts (`kernels.draft_precision`) can flip a
     # near tie of this tiny random model's draft logits, so they are compared in float32 here
@@ -370,12 +374,12 @@ def test_simulated_acceptance_is_what_decoding_accepts(tmp_path, target, monkeyp
 def test_extra_rows_first_then_the_prepared_ones(tmp_path, target):
     """`data.order=extra_first`: each epoch trains on every data.extra row (e.g. raw rows) before the prepared ones,
     and a batch never mixes them; `mixed` shuffles them together."""
-    from train.loop import load_data, make_batches, row_groups
+    from train.data import load_data, make_batches, row_groups
 
     write_prepared(tmp_path / "data", target)
     write_prepared(tmp_path / "extra", target, rows=16, seed=1)
     cfg = config(tmp_path, f"data.extra={tmp_path / 'extra'}", "data.order=extra_first", "budget.max_steps=6")
-    data = load_data(cfg, target, quiet=True)
+    data = load_data(cfg, target)
     assert sorted(data.sources) == [0] * 20 + [1] * 12  # 4 rows of each held out as validation rows
     lengths = [r[0].shape[0] for r in data.rows]
     for epoch in range(2):
@@ -387,7 +391,7 @@ def test_extra_rows_first_then_the_prepared_ones(tmp_path, target):
         assert sorted(i for b in batches for i in b) == list(range(32))
     mixed = config(tmp_path, f"data.extra={tmp_path / 'extra'}", "budget.max_steps=6")
     assert row_groups(mixed, data) is None
-    assert train(cfg, target=target)["step"] == 6
+    assert train(cfg, target=target).step == 6
     with pytest.raises(TrainError, match="data.order 'raw': expected mixed or extra_first"):
         train(config(tmp_path, "data.order=raw", "budget.max_steps=1"), target=target)
 
@@ -409,7 +413,8 @@ def test_feature_pass_in_bfloat16_for_rows_without_features(tmp_path, target):
     where the CPU multiplies it natively."""
     from eagle.device import native_bfloat16
     from eagle.features import FeatureStore, features_dir
-    from train.loop import batch_features, cached_features, feature_pass_target, load_data, load_rows
+    from train.data import load_data, load_rows
+    from train.features import batch_features, cached_features, feature_pass_target
 
     write_prepared(tmp_path / "data", target)
     write_prepared(tmp_path / "extra", target, rows=16, seed=1)
@@ -418,7 +423,7 @@ def test_feature_pass_in_bfloat16_for_rows_without_features(tmp_path, target):
     cfg = config(tmp_path, f"data.extra={tmp_path / 'extra'}", "data.feature_pass=bfloat16", "budget.max_steps=3")
     copy = feature_pass_target(cfg, target)()
     assert copy.dtype == torch.bfloat16 and copy.identity != target.identity and target.dtype == torch.float32
-    data = load_data(cfg, target, quiet=True)
+    data = load_data(cfg, target)
     assert sorted(data.sources) == [0] * 20 + [1] * 12
     # a pass over rows batched by length sums in another order than a one-row pass where the host's measured product
     # layouts differ by row count (float32 rounding, ~1e-7 here); a bfloat16 copy's features differ by ~1e-2
@@ -438,9 +443,9 @@ def test_feature_pass_in_bfloat16_for_rows_without_features(tmp_path, target):
     lengths = [r[0].shape[0] for r in load_rows(cfg, "train", str(tmp_path / "extra"))]
     assert FeatureStore.open(features_dir(tmp_path / "extra", "train", copy, dtype=torch.bfloat16), lengths) is not None
     assert FeatureStore.open(features_dir(tmp_path / "extra", "train", target), lengths) is None
-    assert train(cfg, target=target)["step"] > 0  # and it trains on them
+    assert train(cfg, target=target).step > 0  # and it trains on them
     # `target`: the extra rows' features from the target itself
-    exact = load_data(config(tmp_path, f"data.extra={tmp_path / 'extra'}"), target, quiet=True)
+    exact = load_data(config(tmp_path, f"data.extra={tmp_path / 'extra'}"), target)
     i = data.sources.index(1)
     assert same_float32(exact.feats[i], batch_features(target, exact.rows[i][0][None])[0])
     auto = feature_pass_target(config(tmp_path, "data.feature_pass=auto"), target)
@@ -514,7 +519,7 @@ def test_training_with_dropout_learns_and_repeats_exactly(tmp_path, target):
     write_prepared(tmp_path / "data", target)
     runs = [train(config(tmp_path, "budget.max_steps=30", f"optim.dropout={p}", f"run_dir={tmp_path / r}",
                          f"out={tmp_path / r / 'head'}"), target=target) for r, p in (("a", 0.3), ("b", 0.3), ("c", 0))]
-    assert [r["step"] for r in runs] == [30, 30, 30]
+    assert [r.step for r in runs] == [30, 30, 30]
     log = [json.loads(l) for l in (tmp_path / "a/log.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in log if "loss" in r]
     assert sum(losses[-5:]) / 5 < 0.85 * sum(losses[:5]) / 5

@@ -8,8 +8,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
 
 from cpu_backend import CPUConfig
+from eagle.checkpoint import check_head_dir
+from eagle.device import resolve_device, resolve_dtype
+from eagle.features import DTYPES as FEATURE_DTYPES
 
 
 @dataclass
@@ -73,6 +79,9 @@ class DataConfig:
     # a training row is left out when it holds this share of a validation row's distinct reply 8-grams (a near
     # repeat: same reply to a reworded prompt), as well as when it is identical to one; above 1: identical only
     val_overlap: float = 0.5
+    # processes that read and collate batches ahead of the step (torch's DataLoader): -1 picks what measured
+    # fastest, 0 on a CPU (2 cores: a worker takes a core from the step) and 4 on a GPU
+    workers: int = -1
 
 
 @dataclass
@@ -160,3 +169,60 @@ class TrainConfig:
     # minute than float32 (each new batch shape builds a new kernel; BENCHMARKS.md). "none": the head's dtype
     # throughout. "auto": bf16 on CUDA, none elsewhere
     mixed_precision: str = "auto"
+
+
+class TrainError(ValueError):
+    """A training config or run that cannot work; the message names the key or the file, in one line."""
+
+
+def check_config(cfg: TrainConfig) -> None:
+    """One-line TrainErrors for settings that cannot work, and for a run_dir or out that must not be used: before
+    any time is spent (an `out` holding anything but a head is never replaced)."""
+    if cfg.model.head_type not in ("eagle1", "eagle3"):
+        raise TrainError(f"model.head_type {cfg.model.head_type!r}: expected eagle1 or eagle3")
+    if cfg.data.order not in ("mixed", "extra_first"):
+        raise TrainError(f"data.order {cfg.data.order!r}: expected mixed or extra_first")
+    if cfg.loss.ce_target not in ("p", "argmax"):
+        raise TrainError(f"loss.ce_target {cfg.loss.ce_target!r}: expected p or argmax")
+    if cfg.loss.divergence not in ("kl", "lk"):
+        raise TrainError(f"loss.divergence {cfg.loss.divergence!r}: expected kl or lk")
+    if cfg.loss.divergence == "lk" and cfg.loss.ce_target != "p":
+        raise TrainError(f"loss.divergence lk compares q with the whole of p; loss.ce_target "
+                         f"{cfg.loss.ce_target!r} does not apply (leave it p)")
+    if cfg.loss.positions not in ("assistant", "all"):
+        raise TrainError(f"loss.positions {cfg.loss.positions!r}: expected assistant or all")
+    if cfg.model.num_layers < 1 or (cfg.model.head_type == "eagle3" and cfg.model.num_layers != 1):
+        raise TrainError(f"model.num_layers {cfg.model.num_layers}: expected >= 1 for eagle1 heads, 1 for eagle3")
+    if not 0.0 < cfg.loss.unroll_fraction <= 1.0:
+        raise TrainError(f"loss.unroll_fraction {cfg.loss.unroll_fraction}: expected a fraction in (0, 1]")
+    if not (cfg.budget.max_steps or cfg.budget.minutes or cfg.budget.epochs):
+        raise TrainError("set a budget: budget.max_steps, budget.minutes or budget.epochs")
+    if cfg.data.feature_pass not in ("target", "bfloat16", "auto"):
+        raise TrainError(f"data.feature_pass {cfg.data.feature_pass!r}: expected target, bfloat16 or auto")
+    if cfg.data.feature_dtype not in ("auto", *FEATURE_DTYPES):
+        raise TrainError(f"data.feature_dtype {cfg.data.feature_dtype!r}: expected auto or one of "
+                         f"{', '.join(FEATURE_DTYPES)}")
+    resolve_device(cfg.device), resolve_dtype(cfg.model.head_dtype)  # one-line DeviceErrors
+    for key in ("dtype", "save_dtype"):
+        if getattr(cfg.model, key) != "auto":
+            resolve_dtype(getattr(cfg.model, key))
+    if cfg.mixed_precision not in ("auto", "none", "bf16", "fp16"):
+        raise TrainError(f"mixed_precision {cfg.mixed_precision!r}: expected auto, none, bf16 or fp16")
+    if cfg.model.init not in ("identity", "target_last_layer", "random"):
+        raise TrainError(f"model.init {cfg.model.init!r} is not one of identity, target_last_layer, random")
+    if cfg.optim.accumulate < 1:
+        raise TrainError(f"optim.accumulate {cfg.optim.accumulate}: expected at least 1 micro-batch a step")
+    if not 0.0 <= cfg.optim.dropout < 1.0:
+        raise TrainError(f"optim.dropout {cfg.optim.dropout}: expected a rate >= 0 and < 1")
+    if not 0 <= cfg.optim.lr <= torch.finfo(torch.float32).max:  # else AdamW's step fails with a RuntimeError
+        raise TrainError(f"optim.lr {cfg.optim.lr}: expected a number >= 0 that float32 holds")
+    negative = [f"budget.{k} {v}" for k, v in vars(cfg.budget).items() if v < 0]
+    if negative:
+        raise TrainError(f"{', '.join(negative)}: a budget cannot be negative (0: no limit of that kind)")
+    run, out = Path(cfg.run_dir), Path(cfg.out)
+    if run.exists() and not run.is_dir():
+        raise TrainError(f"run_dir {cfg.run_dir!r} is a file: name a directory for the checkpoints and logs")
+    if out.resolve() == run.resolve() or out.resolve() in run.resolve().parents:
+        raise TrainError(f"out {cfg.out!r} would hold run_dir {cfg.run_dir!r}: name a directory of its own for the "
+                         "head")
+    check_head_dir(out, "out ")
