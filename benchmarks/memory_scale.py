@@ -178,7 +178,8 @@ def main() -> None:
         (train["8-layer"]["peak_rss"] - train["1-layer"]["peak_rss"]) / layer_bytes, 3)
     done = subprocess.run(eagle("plan", "--target", one, "--data", data, "--max-rows", small,
                                 "--max-new-tokens", args.max_new_tokens, "--max-length", args.max_length,
-                                "--dtype", "bfloat16", "--batch-tokens", args.batch_tokens, "--json"),
+                                "--dtype", "bfloat16", "--batch-tokens", args.batch_tokens, "--num-prompts", 0,
+                                "--json"),
                           capture_output=True, text=True, check=True)
     plan = json.loads(done.stdout.strip().splitlines()[-1])
     result["plan_train"] = {k: plan[k] for k in ("train_peak_device_bytes", "train_parts")}

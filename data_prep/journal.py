@@ -2,19 +2,20 @@
 generation computed: a stopped `eagle prep` (Ctrl-C, SIGKILL, a machine taken back) resumes with every reply a
 complete shard holds, and the features never wait in memory for the end of the run.
 
-    journal = Journal(out / "regenerated", key, width=H, dtype=torch.bfloat16)  # width 0: replies without features
-    journal.done[i]              # conversation i's JournalRow (prompt ids, reply ids, hit_eos), if written
+    journal = Journal.open(out / "regenerated", key, width=H, dtype=torch.bfloat16)  # width 0: no features
+    journal.done[i]              # a stopped run's reply i: JournalRow(prompt ids, reply ids, hit_eos)
     journal.add(i, prompt, reply)  # reply.features [P + N, H] go straight to the open shard's file
     journal.close()              # the open shard whole on the disk
     journal.feature_ref(i)       # (shard file, first token) of conversation i's features, for a split's store
 
-The directory holds shards (`shard-NNNNN.safetensors`: `features` [tokens, H], the rows' features one after the
-other; `ids`, their prompt and reply ids; `rows` [n, 4]: conversation index, prompt length, reply length, whether
-the reply ended with an end token) and `index.json`, which names the complete shards and the settings they were
-made with (`key`: the prep settings that decide a reply, and the target's identity). A shard closes every
+The directory holds shards (`shard-GEN-NNNNN.safetensors`: `features` [tokens, H], the rows' features one after
+the other; `ids`, their prompt and reply ids; `rows` [n, 4]: conversation index, prompt length, reply length,
+whether the reply ended with an end token) and `index.json`, which names the complete shards and the settings they
+were made with (`key`: the prep settings that decide a reply, and the target's identity). A shard closes every
 `SHARD_BYTES` of features or `SHARD_SECONDS` of generation, whichever comes first, so a kill loses about a minute
 of work at most. The index is rewritten whole after each shard is on the disk; a journal made with other settings
-is started afresh (its own files removed, nothing else).
+is started afresh under a new generation GEN (its index replaced, then its own old files removed, nothing else),
+so a split's store made from the old one finds its shards gone instead of reading another journal's bytes.
 """
 
 from __future__ import annotations
@@ -42,31 +43,45 @@ class JournalRow:
 
 
 class Journal:
-    def __init__(self, folder: str | Path, key: dict, width: int, dtype: torch.dtype, fresh: bool = False,
-                 shard_bytes: int | None = None):
-        """`fresh`: start afresh whatever the folder holds (prep's `overwrite`)."""
-        self.folder, self.key, self.width, self.dtype = Path(folder), key, width, dtype
+    """See the module docstring; `Journal.open` makes one over a folder."""
+
+    def __init__(self, folder: Path, key: dict, width: int, dtype: torch.dtype, generation: str,
+                 shards: list[dict], shard_bytes: int | None = None):
+        self.folder, self.key, self.width, self.dtype = folder, key, width, dtype
+        self.generation = generation  # in every shard's name: a store made for an earlier journal reads none of ours
+        self.shards = shards
         self.shard_bytes = shard_bytes or SHARD_BYTES
-        self.folder.mkdir(parents=True, exist_ok=True)
-        index = None if fresh else read_index(self.folder)
-        self.shards: list[dict] = []
-        if index is not None and index.get("key") == key:
-            self.shards = [s for s in index["shards"] if data_offset(self.folder / s["file"]) is not None]
-        elif index is not None:
-            print(f"note: {self.folder} holds replies made with other settings or another target: starting afresh")
-        named = {s["file"] for s in self.shards}
-        for f in self.folder.iterdir():  # a shard a kill left before the index named it, or a stale journal's
-            if f.name not in named and f.name.startswith(("shard-", "index.json")):
-                f.unlink()
-        self.done: dict[int, JournalRow] = {}
-        self.refs: dict[int, tuple[str, int]] = {}
-        for s in self.shards:
-            self._read_shard(s["file"])
-        self.open: ShardFile | None = None
-        self.open_rows: list[tuple[int, list[int], list[int], bool, int]] = []  # conv, prompt, reply, eos, first token
+        self.done: dict[int, JournalRow] = {}  # the replies a stopped run wrote (taken, not generated again)
+        self.refs: dict[int, tuple[str, int]] = {}  # every written reply: (shard file, its first token)
+        self.open_shard: ShardFile | None = None
+        self.open_rows: list[tuple[int, list[int], list[int], bool, int]] = []  # conv, prompt, reply, eos, token
         self.opened = 0.0
-        if self.shards:
-            self._write_index()
+
+    @classmethod
+    def open(cls, folder: str | Path, key: dict, width: int, dtype: torch.dtype, fresh: bool = False,
+             shard_bytes: int | None = None) -> "Journal":
+        """The journal in `folder`: its complete shards if it was made with this `key` (else, or with `fresh`, prep's
+        overwrite, an empty one: its index is replaced first, then the old shards removed, so no index ever names
+        a shard that is gone); the files a kill left that no index names are removed."""
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        index = read_index(folder)
+        if index is not None and index.get("key") == key and not fresh:
+            generation = index.get("generation", "")
+            shards = [s for s in index["shards"] if data_offset(folder / s["file"]) is not None]
+        else:
+            if index is not None and not fresh:
+                print(f"note: {folder} holds replies made with other settings or another target: starting afresh")
+            generation, shards = os.urandom(4).hex(), []
+        journal = cls(folder, key, width, dtype, generation, shards, shard_bytes)
+        journal._write_index()
+        named = {s["file"] for s in shards}
+        for f in folder.iterdir():  # a shard a kill left before the index named it, or a stale journal's
+            if f.name.startswith("shard-") and f.name not in named or f.name.startswith("index.json.tmp"):
+                f.unlink()
+        for s in shards:
+            journal._read_shard(s["file"])
+        return journal
 
     def _read_shard(self, name: str) -> None:
         from safetensors import safe_open
@@ -98,37 +113,37 @@ class Journal:
             got = None if features is None else tuple(features.shape)
             raise ValueError(f"journal row {conv}: features {got}, expected ({len(prompt) + len(new_ids)}, "
                              f"{self.width})")
-        if self.open is None:
+        if self.open_shard is None:
             taken = {s["file"] for s in self.shards}
-            self.open = ShardFile(self.folder / next_shard_name(taken), self.width, self.dtype)
+            self.open_shard = ShardFile(self.folder / next_shard_name(taken, f"shard-{self.generation}-"),
+                                        self.width, self.dtype)
             self.opened = time.monotonic()
-        at = self.open.write(features) if self.width else 0
+        at = self.open_shard.write(features) if self.width else 0
         self.open_rows.append((conv, list(prompt), list(new_ids), bool(hit_eos), at))
-        if self.open.nbytes >= self.shard_bytes or time.monotonic() - self.opened >= SHARD_SECONDS:
+        if self.open_shard.nbytes >= self.shard_bytes or time.monotonic() - self.opened >= SHARD_SECONDS:
             self.close()
 
     def close(self) -> None:
         """The open shard whole on the disk, then the index naming it."""
-        if self.open is None:
+        if self.open_shard is None:
             return
         rows = self.open_rows
         ids = torch.tensor([t for _, p, n, _, _ in rows for t in p + n], dtype=torch.int64)
         meta = torch.tensor([[c, len(p), len(n), int(e)] for c, p, n, e, _ in rows], dtype=torch.int64)
-        self.open.close({"ids": ids, "rows": meta})
-        name = self.open.path.name
-        for conv, p, n, eos, at in rows:
-            self.done[conv] = JournalRow(p, n, eos)
+        self.open_shard.close({"ids": ids, "rows": meta})
+        name = self.open_shard.path.name
+        for conv, *_, at in rows:  # (their ids stay with the caller; the journal keeps where their features are)
             self.refs[conv] = (name, at)
         self.shards.append({"file": name, "rows": [c for c, *_ in rows]})
-        self.open, self.open_rows = None, []
+        self.open_shard, self.open_rows = None, []
         self._write_index()
         fault("journal-shard", len(self.shards))
 
     def abort(self) -> None:
         """Drop the open shard (an error on the way: its rows are made again next time)."""
-        if self.open is not None:
-            self.open.abort()
-            self.open, self.open_rows = None, []
+        if self.open_shard is not None:
+            self.open_shard.abort()
+            self.open_shard, self.open_rows = None, []
 
     def feature_ref(self, conv: int) -> tuple[str, int]:
         """(shard file name, the token its features start at) of a written conversation."""
@@ -150,5 +165,6 @@ class Journal:
         write_index(folder, lengths, self.width, self.dtype, list(shards.values()))
 
     def _write_index(self) -> None:
-        index = {"key": self.key, "width": self.width, "dtype": str(self.dtype), "shards": self.shards}
+        index = {"key": self.key, "generation": self.generation, "width": self.width, "dtype": str(self.dtype),
+                 "shards": self.shards}
         write_whole(self.folder / "index.json", json.dumps(index).encode())

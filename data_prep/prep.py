@@ -73,7 +73,7 @@ class PrepConfig:
     # their dtype on the disk: auto (the target's: bfloat16 for a bfloat16 target), float32, bfloat16, float16
     feature_dtype: str = "auto"
     device: str = "auto"           # where the target regenerates and computes features: auto, cpu, cuda, cuda:N
-    dtype: str = "float32"         # the target's precision: float32, bfloat16, float16
+    dtype: str = "auto"            # the target's precision: auto (bfloat16 on CUDA, float32 elsewhere), float32, ...
 
 
 @dataclass
@@ -274,18 +274,21 @@ def feature_dtype(cfg: PrepConfig, target_dtype: torch.dtype | None = None) -> t
     """The dtype prep stores features in: `feature_dtype`, or (auto) the target's (`dtype`, as loaded)."""
     if cfg.feature_dtype != "auto":
         return getattr(torch, cfg.feature_dtype)
-    return default_dtype(target_dtype or resolve_dtype(cfg.dtype))
+    return default_dtype(target_dtype or resolve_dtype(cfg.dtype, cfg.device))
 
 
 def check_feature_room(cfg: PrepConfig, convs: list[list[dict]], tokenizer, hidden: int) -> None:
     """Refuse, in one line naming the bytes needed and free, a one-turn regeneration whose features the disk of
-    `out` cannot hold. Every row is at most `max_length` tokens, so that bound is tried first; only when it does not
-    fit are the prompts rendered and counted (`planned_rows`)."""
+    `out` cannot hold (beside what its journal holds already). Every row is at most `max_length` tokens, so that
+    bound is tried first; only when it does not fit are the prompts rendered and counted (`planned_rows`)."""
     width = hidden * feature_dtype(cfg).itemsize
-    if len(convs) * cfg.max_length * width * 1.01 <= shutil.disk_usage(nearest_dir(Path(cfg.out))).free:
+    # a stopped run's journal holds some already: resumed, they need no more room; started afresh, theirs is freed
+    journal = Path(cfg.out) / "regenerated"
+    held = sum(f.stat().st_size for f in journal.glob("shard-*")) if journal.is_dir() else 0
+    if len(convs) * cfg.max_length * width * 1.01 <= shutil.disk_usage(nearest_dir(Path(cfg.out))).free + held:
         return
     _, rows = planned_rows(cfg, tokenizer, convs)
-    check_room(Path(cfg.out), sum(rows) * width, "target features of the regenerated rows", PREP_HINT)
+    check_room(Path(cfg.out), max(0, sum(rows) * width - held), "target features of the regenerated rows", PREP_HINT)
 
 
 def nearest_dir(path: Path) -> Path:
@@ -330,8 +333,8 @@ def open_journal(cfg: PrepConfig, target) -> Journal:
     dtype = feature_dtype(cfg, target.dtype)
     decides = ("data", "max_rows", "skip_rows", "max_new_tokens", "max_length", "max_turns", "save_features")
     key = {"target": target.identity, "feature_dtype": str(dtype), **{k: getattr(cfg, k) for k in decides}}
-    return Journal(Path(cfg.out) / "regenerated", key, target.hidden_size if cfg.save_features else 0, dtype,
-                   fresh=cfg.overwrite)
+    return Journal.open(Path(cfg.out) / "regenerated", key, target.hidden_size if cfg.save_features else 0, dtype,
+                        fresh=cfg.overwrite)
 
 
 def _finished(cfg: PrepConfig) -> PrepSummary | None:
@@ -340,12 +343,15 @@ def _finished(cfg: PrepConfig) -> PrepSummary | None:
     if cfg.overwrite or not (out / "summary.json").exists() or not (out / "prep_config.yaml").exists():
         return None
 
-    # where it ran does not name the data; a setting an earlier version did not write had its default then
+    # where it ran does not name the data; a setting an earlier version did not write had its default then; a
+    # dtype is compared as what it resolves to here ("auto" was written as float32 before it existed)
     ignored = ("overwrite", "device")
     same = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ignored}
     written = yaml.safe_load((out / "prep_config.yaml").read_text()) or {}
     defaults = {f.name: f.default for f in dataclasses.fields(PrepConfig) if f.default is not dataclasses.MISSING}
     old = {k: v for k, v in {**defaults, **written}.items() if k not in ignored}
+    for d in (same, old):
+        d["dtype"] = str(resolve_dtype(d["dtype"], cfg.device))
     if old != same:
         return None
     print(f"reusing the rows in {out} (prepared earlier with the same settings; --overwrite redoes them)")

@@ -36,7 +36,7 @@ class RegenResult:
     new_tokens: int = 0              # tokens generated, up to and including the end token
     hit_max_new_tokens: int = 0      # replies cut by max_new_tokens (kept: the text is still the target's)
     ended: list[str | None] = field(default_factory=list)  # per conversation: why it ended early, or None
-    # per conversation: the prompt ids and reply of its last regenerated turn (its features went to the journal), or None
+    # per conversation: the prompt ids and reply of its last regenerated turn (features: in the journal), or None
     last_turn: list[tuple[list[int], Reply] | None] = field(default_factory=list)
     seconds: float = 0.0
     resumed: int = 0                 # replies taken from the journal of a stopped run, not generated again
@@ -93,17 +93,18 @@ def greedy_replies(target, prompts: list[list[int]], max_new_tokens: int, batch_
     3,072-wide target; benchmarks/memory_scale.py). The prefill runs in chunks of `PREFILL_TOKENS`.
 
     With `keep_features` the features (in `feature_dtype`, default the target's) come to the host once a step for
-    the whole batch, into one buffer for the batch; a finished row's reach `on_reply`, which writes them away
-    (prep's journal), and are kept in the returned replies only when there is no `on_reply`. Host memory then
-    holds the batch's features, whatever the number of prompts.
+    the whole batch, into one buffer for the batch; a finished row's reach `on_reply` as a view of that buffer, to
+    write away at once (prep's journal: later batches reuse the memory), and are kept, copied, in the returned
+    replies only when there is no `on_reply`. Host memory then holds the batch's features, whatever the number of
+    prompts.
 
     With a `deadline` (a `time.perf_counter()` value) no batch starts that would end after it if it took as long as
     the previous batch (so a slow machine does not overrun the budget by a whole batch: minutes at batch 128),
     and the prompts never started get None. The prompts are then sorted by length within chunks of
-    `DEADLINE_CHUNK` batches taken in input order, so what gets done is the input's first chunks (and the shorter
-    part of the last one started) rather than its longest prompts. Sorting only within each batch cost ~30 % of
-    the new tokens per second here (every batch is padded to its longest prompt: 96 against 138 tokens/s for the
-    same 256 prompts at batch 128, BENCHMARKS.md).
+    `DEADLINE_CHUNK` batches taken in input order, so what gets done is the input's first chunks (and the longer
+    prompts of the last one started) rather than the longest prompts of all. Sorting only within each batch cost
+    ~30 % of the new tokens per second here (every batch is padded to its longest prompt: 96 against 138 tokens/s
+    for the same 256 prompts at batch 128, BENCHMARKS.md).
     """
     out: list[Reply | None] = [None] * len(prompts)
     chunk = max(1, len(prompts)) if deadline is None else DEADLINE_CHUNK * batch_size

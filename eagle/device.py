@@ -1,7 +1,7 @@
 """Where and in what precision models run: one place that reads `--device` and `--dtype`.
 
     device = resolve_device("auto")       # cuda when a CUDA device is present, else cpu
-    dtype = resolve_dtype("bfloat16")     # torch.bfloat16
+    dtype = resolve_dtype("bfloat16")     # torch.bfloat16; "auto": bfloat16 on CUDA, float32 elsewhere
 
 Devices: auto, cpu, cuda, cuda:N (and mps where torch has it). Precisions: float32, bfloat16, float16. In float32 on
 CUDA the matmuls keep full float32 (TF32 off), so greedy tokens match a float32 reference; bf16 and fp16 round
@@ -44,16 +44,26 @@ def resolve_device(device: str | torch.device = "auto") -> torch.device:
     return dev
 
 
-def resolve_dtype(dtype: str | torch.dtype = "float32") -> torch.dtype:
+def resolve_dtype(dtype: str | torch.dtype = "float32", device: str | torch.device | None = None) -> torch.dtype:
+    """The dtype named; `auto` is the target's usual one on `device`: bfloat16 on CUDA (half the memory, the GPU's
+    fast products), float32 elsewhere (the CPU backend's kernels are float32). One rule for prep, training and
+    `eagle plan`, so that the features prep writes are the ones training looks for."""
     if isinstance(dtype, torch.dtype):  # from Python: any floating type (tests compare in float64)
         if not dtype.is_floating_point:
             raise DeviceError(f"dtype {dtype}: expected a floating-point type ({', '.join(DTYPES)})")
         return dtype
     key = str(dtype).strip().lower().removeprefix("torch.")
+    if key == "auto":
+        return auto_dtype(resolve_device(device or "auto").type)
     key = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}.get(key, key)
     if key not in DTYPES:
-        raise DeviceError(f"dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
+        raise DeviceError(f"dtype {dtype!r}: expected auto or one of {', '.join(DTYPES)}")
     return DTYPES[key]
+
+
+def auto_dtype(kind: str) -> torch.dtype:
+    """The dtype `auto` names on a device of this kind ("cuda", "cpu", ...)."""
+    return torch.bfloat16 if kind == "cuda" else torch.float32
 
 
 def full_float32_matmuls(device: torch.device) -> None:

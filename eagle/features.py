@@ -22,6 +22,7 @@ layers) over 2M SmolLM2 tokens take 19 GB in float32, 9.6 GB in bfloat16.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import shutil
@@ -297,16 +298,15 @@ class FeatureStore:
         where: list = [None] * len(lengths)
         for shard in index["shards"]:
             path = folder / shard["file"]
-            start = data_offset(path)
-            if start is None:
-                print(f"note: feature shard {str(path)!r} is not a readable safetensors file; computing the features "
-                      "again")
+            layout = shard_layout(path)
+            firsts = shard.get("at") or list(itertools.accumulate((lengths[k] for k in shard["rows"]), initial=0))
+            if layout is None or layout[1:3] != (index["width"], _ST[dtype][0]) or any(
+                    a + lengths[i] > layout[3] for a, i in zip(firsts, shard["rows"])):
+                print(f"note: feature shard {str(path)!r} is missing, not a readable safetensors file, or not the one "
+                      "its index was made for; computing the features again")
                 return None
-            at = shard.get("at")
-            for j, i in enumerate(shard["rows"]):
-                where[i] = (path, start + (at[j] * row_bytes if at else 0), lengths[i], dtype)
-                if not at:
-                    start += lengths[i] * row_bytes
+            for a, i in zip(firsts, shard["rows"]):
+                where[i] = (path, layout[0] + a * row_bytes, lengths[i], dtype)
         return cls(where, index["width"])
 
     @classmethod
@@ -336,9 +336,9 @@ class FeatureStore:
         return FeatureStore([self.where[i] for i in rows], self.width)
 
 
-def data_offset(path: Path) -> int | None:
-    """Where the `features` tensor's bytes start in a shard (after safetensors' 8-byte length and JSON header), or
-    None for a file that is not one or whose size is not the header's (cut short, or grown)."""
+def shard_layout(path: Path) -> tuple[int, int, str, int] | None:
+    """(where the `features` tensor's bytes start, its width, its safetensors dtype, its rows) in a shard, or None for
+    a file that is not one or whose size is not the header's (cut short, or grown)."""
     try:
         with open(path, "rb") as f:
             n = int.from_bytes(f.read(8), "little")
@@ -346,9 +346,17 @@ def data_offset(path: Path) -> int | None:
         end = max(t["data_offsets"][1] for k, t in header.items() if k != "__metadata__")
         if os.path.getsize(path) != 8 + n + end:
             return None
-        return 8 + n + header["features"]["data_offsets"][0]
+        feats = header["features"]
+        rows, width = feats["shape"]
+        return 8 + n + feats["data_offsets"][0], width, feats["dtype"], rows
     except (OSError, ValueError, KeyError, TypeError):
         return None
+
+
+def data_offset(path: Path) -> int | None:
+    """Where the `features` tensor's bytes start in a shard, or None (`shard_layout`)."""
+    layout = shard_layout(path)
+    return None if layout is None else layout[0]
 
 
 def write_features(folder: Path, feats: list[torch.Tensor], dtype: torch.dtype | None = None) -> None:

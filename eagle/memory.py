@@ -19,9 +19,6 @@ slack, which `CUDA_CONTEXT` and `ALLOCATOR_SLACK` stand for.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import functools
 import math
 from dataclasses import dataclass, field
 
@@ -171,12 +168,15 @@ def prep_needs(size: TargetSize, prompt_tokens: list[int], max_new_tokens: int, 
 
 def train_needs(size: TargetSize, head: HeadSize, batch_tokens: int, steps: int = 1, unroll_fraction: float = 1.0,
                 online: bool = False, target_bytes: int = 2, head_bytes: int = 4, compute_bytes: int | None = None,
-                cuda: bool = False, runtime: int = 0, scored: float = 1.0) -> Needs:
+                cuda: bool = False, runtime: int = 0, scored: float = 1.0, processes: int = 1,
+                decode: bool = False) -> Needs:
     """One training process's peak device memory, by part: the target (embedding, final norm and lm_head on cached
     features; all of it online), the head's weights, gradients and AdamW states in `head_bytes`, its copy of the
     draft vocabulary's lm_head rows, and what a step of `batch_tokens` padded tokens keeps for its backward pass
     (`steps` unrolled steps of the training-time test, steps 2.. on `unroll_fraction` of the positions; logits on
-    the `scored` share of the positions: all, or the assistant tokens, `loss.positions`)."""
+    the `scored` share of the positions: all, or the assistant tokens, `loss.positions`). With several `processes`
+    the gradients' all-reduce buffers; with `decode` (the main process when validation decodes prompts) the
+    target's decoder layers too."""
     H, I, T, Vd = size.hidden, size.intermediate, batch_tokens, head.draft_vocab
     c = compute_bytes or head_bytes
     kvd = size.kv_dim
@@ -203,10 +203,21 @@ def train_needs(size: TargetSize, head: HeadSize, batch_tokens: int, steps: int 
         "batch_features": T * head.feature_width * (4 + head_bytes),
         "activations": T * (layer + logits) + unrolled,
         "unrolled_attention": keys + mask,
+        # train.parallel.average_gradients: one float32 vector of every gradient, then the averaged ones
+        "allreduce_buffers": head.params * (4 + head_bytes) if processes > 1 else 0,
+        "decoding_target": (size.params - size.outside_layers) * target_bytes if decode and not online else 0,
     }
     if cuda:
         parts["allocator_slack"] = int((sum(parts.values()) - parts["runtime"]) * (ALLOCATOR_SLACK - 1))
     return Needs(parts)
+
+
+def pass_needs(size: TargetSize, target_bytes: int, width: int, tokens: int = 4096) -> Needs:
+    """A feature pass's memory beyond the target's embedding, norm and lm_head: its decoder layers and one batch of
+    `tokens` padded tokens (the activations of a layer at a time, and the `width` features kept)."""
+    return Needs({"decoder_layers": (size.params - size.outside_layers) * target_bytes,
+                  "pass_batch": tokens * ((5 * size.hidden + 2 * size.kv_dim + 3 * size.intermediate) * target_bytes
+                                          + width * target_bytes + size.hidden * target_bytes)})
 
 
 def largest_batch_tokens(size: TargetSize, head: HeadSize, free: int, step: int = 64, **kw) -> int:
@@ -219,27 +230,3 @@ def largest_batch_tokens(size: TargetSize, head: HeadSize, free: int, step: int 
         else:
             hi = mid
     return lo
-
-
-@functools.cache
-def _libc():
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name) if name else None
-    except OSError:
-        return None
-    return libc if libc is not None and hasattr(libc, "mallopt") else None
-
-
-M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
-
-
-def steady_host_memory(threshold: int = 1 << 20) -> None:
-    """Keep a loop's host memory from creeping: blocks of `threshold` bytes or more are mapped and unmapped on their
-    own (glibc's `mallopt(M_MMAP_THRESHOLD)`; nothing elsewhere). By default glibc raises that threshold to the
-    largest block freed so far (up to 32 MB), after which blocks of a few MB come from its heap and what is freed
-    stays there, scattered: regeneration's per-row feature buffers and prefill chunks held 490 MB more after 15
-    batches of a 3,072-wide target than after one, and 35 MB more with this set (benchmarks/memory_scale.py)."""
-    libc = _libc()
-    if libc is not None:
-        libc.mallopt(M_MMAP_THRESHOLD, threshold)

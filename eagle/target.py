@@ -436,7 +436,8 @@ def load_target(name: str, device: str | torch.device = "cpu", dtype: str | torc
     A checkpoint that cannot be read so (no safetensors files, other tensor names) is loaded whole, with a note."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    device, dtype = resolve_device(device), resolve_dtype(dtype)
+    device = resolve_device(device)
+    dtype = resolve_dtype(dtype, device)
     if dtype == torch.float32:
         full_float32_matmuls(device)
 
@@ -446,7 +447,7 @@ def load_target(name: str, device: str | torch.device = "cpu", dtype: str | torc
         tok = AutoTokenizer.from_pretrained(src)
         if not layers and not device_map:
             try:
-                files = WeightFiles.of(_weights_folder(src, download=True))
+                files = WeightFiles.of(src) if isinstance(src, Path) else WeightFiles.of_hub(src)
                 if files is None:
                     raise WeightsError("its checkpoint has no safetensors weights")
                 model = model_without_layers(files, AutoConfig.from_pretrained(src), dtype, device,
@@ -462,19 +463,18 @@ def load_target(name: str, device: str | torch.device = "cpu", dtype: str | torc
         folder = _weights_folder(src)
         files = WeightFiles.of(folder) if folder is not None else None
     except OSError as e:
-        where = "" if isinstance(src, Path) else "no such local path, and as a hub id: "
-        raise TargetError(f"target {name!r} could not be loaded: {where}{str(e).splitlines()[0]}") from None
+        raise _unloadable(name, src, e) from None
     model.eval().requires_grad_(False)
-    if name in ALIAS_TEMPLATES and not tok.chat_template:
-        tok.chat_template = ALIAS_TEMPLATES[name]
+    tok = _with_template(name, tok)
     whole = not any(p.is_meta for p in model.parameters())
     return TargetModel(name=name, model=model, tokenizer=tok, source=gguf,
                        checkpoint=folder if files is not None else None, has_layers=whole)
 
 
-def checkpoint_source(name: str) -> tuple[Path | str, Path | None]:
+def checkpoint_source(name: str, convert: bool = True) -> tuple[Path | str, Path | None]:
     """(what transformers loads the target `name` from: a local directory or a hub id, the GGUF file it was converted
-    from or None). A GGUF file is converted once into the cache (`_convert_gguf`)."""
+    from or None). A GGUF file is converted once into the cache (`_convert_gguf`); with `convert` False one not
+    converted yet is given as the file itself (its metadata holds the config and the tokenizer)."""
     src = resolve_target(name)
     if not (isinstance(src, Path) and src.suffix == ".gguf"):
         return src, None
@@ -485,6 +485,8 @@ def checkpoint_source(name: str) -> tuple[Path | str, Path | None]:
                           "(pip install gguf)") from None
     cached = _gguf_cache_dir(src)
     if not (cached / "config.json").exists():
+        if not convert:
+            return src, src
         _convert_gguf(src, cached)
     return cached, src
 
@@ -495,29 +497,36 @@ def target_config(name: str, tokenizer: bool = True):
     tokenizer), e.g. a directory holding only a config.json."""
     from transformers import AutoConfig, AutoTokenizer
 
-    src, _ = checkpoint_source(name)
+    src, gguf = checkpoint_source(name, convert=False)
+    where, kw = (src.parent, {"gguf_file": src.name}) if src is gguf else (src, {})  # (a GGUF not converted yet)
     try:
-        config = AutoConfig.from_pretrained(src)
-        tok = AutoTokenizer.from_pretrained(src) if tokenizer else None
+        config = AutoConfig.from_pretrained(where, **kw)
+        tok = AutoTokenizer.from_pretrained(where, **kw) if tokenizer else None
     except OSError as e:
-        where = "" if isinstance(src, Path) else "no such local path, and as a hub id: "
-        raise TargetError(f"target {name!r} could not be loaded: {where}{str(e).splitlines()[0]}") from None
-    if tok is not None and name in ALIAS_TEMPLATES and not tok.chat_template:
+        raise _unloadable(name, src, e) from None
+    return config, tok and _with_template(name, tok)
+
+
+def _unloadable(name: str, src: Path | str, error: OSError) -> TargetError:
+    where = "" if isinstance(src, Path) else "no such local path, and as a hub id: "
+    return TargetError(f"target {name!r} could not be loaded: {where}{str(error).splitlines()[0]}")
+
+
+def _with_template(name: str, tok):
+    """The tokenizer, given its alias's template where it has none (base models: ALIAS_TEMPLATES)."""
+    if name in ALIAS_TEMPLATES and not tok.chat_template:
         tok.chat_template = ALIAS_TEMPLATES[name]
-    return config, tok
+    return tok
 
 
-def _weights_folder(src: Path | str, download: bool = False) -> Path | None:
-    """The local directory holding a checkpoint's files: `src` itself, or for a hub id the snapshot it was
-    downloaded into (with `download`, its configs and safetensors files are fetched first), or None."""
+def _weights_folder(src: Path | str) -> Path | None:
+    """The local directory holding a checkpoint's files: `src` itself, or for a hub id the snapshot of the hub's
+    cache it was downloaded into, or None."""
     if isinstance(src, Path):
         return src if src.is_dir() else None
     from huggingface_hub import snapshot_download
 
     try:
-        return Path(snapshot_download(src, allow_patterns=["*.json", "*.safetensors"],
-                                      local_files_only=not download))
-    except OSError:  # huggingface_hub's errors for a repo or files not there (offline: not cached) are OSErrors
-        if download:
-            raise
+        return Path(snapshot_download(src, allow_patterns=["*.json"], local_files_only=True))
+    except OSError:  # huggingface_hub's errors for a repo or files not there are OSErrors
         return None

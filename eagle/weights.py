@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,6 +33,9 @@ class WeightsError(ValueError):
 class WeightFiles:
     folder: Path
     where: dict[str, Path]  # tensor name -> the safetensors file holding it
+    # a hub checkpoint's files are fetched as they are read (`of_hub`): a 70B target's three end tensors without
+    # its 140 GB of layers
+    fetch: Callable[[str], Path] | None = None
 
     @classmethod
     def of(cls, folder: str | Path) -> "WeightFiles | None":
@@ -52,6 +56,45 @@ class WeightFiles:
                 where.update({name: f for name in handle.keys()})
         return cls(folder, where)
 
+    @classmethod
+    def of_hub(cls, repo: str) -> "WeightFiles | None":
+        """A hub checkpoint's weights by its index, its shard files fetched (into the hub's cache) only as `read`
+        needs them; None when it has no safetensors weights. The hub's errors are OSErrors."""
+        from huggingface_hub import hf_hub_download
+        from huggingface_hub.errors import EntryNotFoundError
+
+        try:
+            index = Path(hf_hub_download(repo, "model.safetensors.index.json"))
+        except EntryNotFoundError:
+            try:
+                return cls.of(Path(hf_hub_download(repo, "model.safetensors")).parent)
+            except EntryNotFoundError:
+                return None
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return cls(index.parent, {name: index.parent / f for name, f in weight_map.items()},
+                   lambda f: Path(hf_hub_download(repo, f)))
+
+    @property
+    def revision(self) -> str | None:
+        """The commit of a hub snapshot (`.../snapshots/COMMIT/`: its files never change), else None."""
+        return self.folder.name if self.folder.parent.name == "snapshots" else None
+
+    def key_of(self, name: str) -> str | None:
+        """The files' name of a model's parameter `name`: itself, or the one key that ends in its longest trailing
+        part (checkpoints of wrapped models name `model.language_model.embed_tokens.weight` otherwise:
+        `language_model.model.embed_tokens.weight`), or None."""
+        if name in self.where:
+            return name
+        parts = name.split(".")
+        for i in range(len(parts) - 1):  # (the last part alone, "weight", names nothing)
+            tail = "." + ".".join(parts[i:])
+            hits = [k for k in self.where if k.endswith(tail)]
+            if len(hits) == 1:
+                return hits[0]
+            if len(hits) > 1:
+                return None
+        return None
+
     def read(self, names: list[str], device: torch.device | str = "cpu",
              dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
         """The tensors `names`, each read alone from its file and moved to `device` / `dtype`."""
@@ -62,6 +105,8 @@ class WeightFiles:
             raise WeightsError(f"checkpoint {str(self.folder)!r} holds no tensor {missing[0]!r}")
         out = {}
         for f in dict.fromkeys(self.where[n] for n in names):
+            if not f.exists() and self.fetch is not None:
+                self.fetch(f.name)
             with safe_open(f, "pt") as handle:
                 for n in names:
                     if self.where[n] == f:
@@ -73,8 +118,12 @@ class WeightFiles:
     def identity(self) -> str:
         """A hash of every weight file's name, size, safetensors header and `SAMPLE_BLOCKS` blocks of its bytes:
         a fine-tune of the same base differs in nearly every byte, so it hashes otherwise, and reading a few MB
-        gives the same answer whether the model is then loaded whole or without its layers."""
+        gives the same answer whether the model is then loaded whole or without its layers. A hub snapshot is
+        named by its repository and commit instead (its files may not all be here)."""
         h = hashlib.sha256()
+        if self.revision is not None:
+            h.update(f"hub|{self.folder.parent.parent.name}|{self.revision}".encode())
+            return h.hexdigest()[:16]
         for f in sorted(set(self.where.values())):
             size = f.stat().st_size
             h.update(f"{f.name}|{size}|".encode())
@@ -95,23 +144,37 @@ def layers_prefix(model: nn.Module) -> str:
 
 def model_without_layers(files: WeightFiles, config, dtype: torch.dtype, device: torch.device,
                          attn_implementation: str = "sdpa") -> nn.Module:
-    """The causal LM of `config` with every parameter outside its decoder layers read from `files` onto `device`
-    (embedding, final norm, lm_head: tied to the embedding where the config ties them), the layers left on the
-    `meta` device. WeightsError when the files do not name a parameter as the model does."""
+    """The causal LM of `config` with its embedding, final norm and lm_head (tied to the embedding where the config
+    ties them) read from `files` onto `device`, and every other parameter (the decoder layers, a vision tower) left
+    on the `meta` device. WeightsError when the files do not hold those three as the model names them."""
+    from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
 
-    with torch.device("meta"):
+    # parameters on the meta device; buffers made as the modules make them (Gemma's embedding scale, rotary
+    # frequencies), with their values
+    with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
-    in_layers = {id(p) for p in model.get_decoder().layers.parameters()}
-    names = [n for n, p in model.named_parameters() if id(p) not in in_layers]
-    out_emb, in_emb = model.get_output_embeddings(), model.get_input_embeddings()
-    tied = out_emb is not None and out_emb.weight is in_emb.weight
-    tensors = files.read(names, device, dtype)
-    for name, t in tensors.items():
+    decoder = model.get_decoder()
+    norm = next((getattr(decoder, a) for a in ("norm", "final_layernorm") if hasattr(decoder, a)), None)
+    if not hasattr(decoder, "layers") or norm is None:
+        raise WeightsError(f"{type(model).__name__}'s decoder keeps no `layers` list and final norm")
+    ends = [model.get_input_embeddings(), norm, model.get_output_embeddings()]
+    names = {id(p): n for n, p in model.named_parameters()}
+    wanted = {names[id(p)]: files.key_of(names[id(p)]) for m in ends for p in m.parameters(recurse=False)}
+    # a tied lm_head is not in the files: transformers ties it to the embedding below, as from_pretrained does
+    found = {n: k for n, k in wanted.items() if k is not None}
+    tensors = files.read(list(found.values()), device, dtype)
+    for name, key in found.items():
         module, _, attr = name.rpartition(".")
-        setattr(model.get_submodule(module), attr, nn.Parameter(t, requires_grad=False))
-    if tied:
-        out_emb.weight = in_emb.weight
+        setattr(model.get_submodule(module), attr, nn.Parameter(tensors[key], requires_grad=False))
+    model.tie_weights()
+    for m in ends:
+        for attr, buf in list(m._buffers.items()):
+            if buf is not None:
+                m.register_buffer(attr, buf.to(device), persistent=attr not in m._non_persistent_buffers_set)
+    left = [n for m in ends for n, t in [*m.named_parameters(), *m.named_buffers()] if t.is_meta]
+    if left:
+        raise WeightsError(f"{type(model).__name__}: the checkpoint holds no {left[0]!r} as the model names it")
     return model.eval()
 
 

@@ -225,7 +225,7 @@ def test_a_corrupt_feature_cache_is_computed_again(files, target, tmp_path, caps
     shard = folder / "shard-00000.safetensors"
     shard.write_bytes(b"\0" * 7)  # cut short
     assert FeatureStore.open(folder, [3, 2]) is None
-    assert f"note: feature shard '{shard}' is not a readable safetensors file" in capsys.readouterr().out
+    assert f"note: feature shard '{shard}' is missing, not a readable safetensors file" in capsys.readouterr().out
 
 
 # -- writing heads: nothing but a head is replaced ----------------------------------------------------------------

@@ -28,7 +28,7 @@ def test_devices_and_dtypes_resolve_or_say_why():
     assert resolve_dtype(torch.float16) == torch.float16
     with pytest.raises(DeviceError, match="device 'gpu7': expected auto, cpu, cuda or cuda:N"):
         resolve_device("gpu7")
-    with pytest.raises(DeviceError, match="dtype 'int8': expected one of float32, bfloat16, float16"):
+    with pytest.raises(DeviceError, match="dtype 'int8': expected auto or one of float32, bfloat16, float16"):
         resolve_dtype("int8")
     if not torch.cuda.is_available():
         with pytest.raises(DeviceError, match="device 'cuda': no CUDA device here"):

@@ -103,7 +103,8 @@ def test_launches_the_loop_does_not_serve_are_one_line_errors():
 
     from train.config import TrainConfig
     from train.config import TrainError
-    from train.loop import Precision, check_launch
+    from train.loop import check_launch
+    from train.precision import Precision
 
     def launch(kind=DistributedType.NO, precision="no", processes=1):
         return SimpleNamespace(distributed_type=kind, mixed_precision=precision, num_processes=processes)

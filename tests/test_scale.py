@@ -20,6 +20,7 @@ from data_prep import load_examples
 from data_prep.prep import PrepConfig, prepare
 from eagle.features import FeatureStore, features_dir
 from eagle.target import load_target
+from train.config import TrainError
 from train.loop import train
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -124,13 +125,20 @@ def test_a_target_loaded_without_its_layers(model_dir):
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
 
 
-def test_training_on_cached_features_without_the_layers_trains_the_same_head(model_dir, tmp_path):
+def test_training_on_cached_features_without_the_layers_trains_the_same_head(model_dir, tmp_path, monkeypatch):
     """`eagle train` on a directory target: with every feature cached, the head (EAGLE-1 from the target's last layer,
     and EAGLE-3) is bit for bit the one trained beside the whole target; the prompts decoded at validation load the
     whole target then, once."""
+    import eagle.target
+
+    loads = []
+    real_whole, real_part = eagle.target.TargetModel.whole, eagle.target.model_without_layers
+    monkeypatch.setattr(eagle.target.TargetModel, "whole", lambda t: loads.append("whole") or real_whole(t))
+    monkeypatch.setattr(eagle.target, "model_without_layers",
+                        lambda *a, **k: loads.append("part") or real_part(*a, **k))
     whole = load_target(str(model_dir / "tiny"))
     write_prepared(tmp_path / "data", whole)
-    prompts = [{"messages": [{"role": "user", "content": "w3 w9 w27"}]}, {"messages": [{"role": "user", "content": "w5"}]}]
+    prompts = [{"messages": [{"role": "user", "content": text}]} for text in ("w3 w9 w27", "w5")]
     (tmp_path / "data/val_conversations.jsonl").write_text("".join(json.dumps(p) + "\n" for p in prompts))
     for kind in (["model.init=target_last_layer"], ["model.head_type=eagle3", "model.feature_layers=[0,1,2]"]):
         name = kind[0].split("=")[1]
@@ -141,7 +149,9 @@ def test_training_on_cached_features_without_the_layers_trains_the_same_head(mod
                           f"out={tmp_path / name / side / 'head'}", *kind, *more)
 
         train(run("a"), target=whole)  # the whole target handed in (it computes and caches the features)
+        loads.clear()
         train(run("b", "eval.num_prompts=2"))  # the target loaded by the run: without its layers
+        assert loads == ["part", "whole"]  # then whole once, for the prompts, over every validation
         x = load_file(str(tmp_path / name / "a/checkpoint/head/model.safetensors"))
         y = load_file(str(tmp_path / name / "b/checkpoint/head/model.safetensors"))
         assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x), name
@@ -164,12 +174,32 @@ def test_a_float32_head_trains_beside_a_bfloat16_target(tmp_path):
     assert {v.dtype for v in out.values() if v.is_floating_point()} == {torch.bfloat16}
     losses = [r["loss"] for r in map(json.loads, (tmp_path / "run/log.jsonl").read_text().splitlines()) if "loss" in r]
     assert sum(losses[-5:]) < 0.9 * sum(losses[:5])
-    train(config(tmp_path, "budget.max_steps=12", "eval.every_minutes=0", "mixed_precision=fp16",
-                 "model.save_dtype=float32", f"run_dir={tmp_path / 'fp16'}", f"out={tmp_path / 'h16'}"), target=low)
+    fp16 = ("budget.max_steps=12", "eval.every_minutes=0", "mixed_precision=fp16", "model.save_dtype=float32")
+    train(config(tmp_path, *fp16, f"run_dir={tmp_path / 'fp16'}", f"out={tmp_path / 'h16'}"), target=low)
     state = json.loads((tmp_path / "fp16/checkpoint/state.json").read_text())
     assert state["loss_scale"]["scale"] > 0
     out = load_file(str(tmp_path / "h16/model.safetensors"))
     assert {v.dtype for v in out.values() if v.is_floating_point()} == {torch.float32}
+    # killed after step 6's checkpoint, then resumed: the very head of the straight run (the loss scale resumed too)
+    import train.loop as loop
+
+    real_save = loop.save_checkpoint
+
+    def save_then_die(run, head, optim, state):
+        real_save(run, head, optim, state)
+        if state.step == 6:
+            raise KeyboardInterrupt
+
+    killed = config(tmp_path, *fp16, "save_every_minutes=0", f"run_dir={tmp_path / 'k16'}", f"out={tmp_path / 'hk16'}")
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(loop, "save_checkpoint", save_then_die)
+        with pytest.raises(KeyboardInterrupt):
+            train(killed, target=low)
+    train(killed, target=low)
+    a, b = (load_file(str(tmp_path / r / "checkpoint/head/model.safetensors")) for r in ("fp16", "k16"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    with pytest.raises(TrainError, match="^mixed_precision fp16 scales the loss for float32 master weights"):
+        train(config(tmp_path, *fp16, "model.head_dtype=float16"), target=low)
 
 
 def test_plan_counts_the_rows_prep_makes_and_bounds_their_features(model_dir, tmp_path, capsys):
@@ -186,7 +216,7 @@ def test_plan_counts_the_rows_prep_makes_and_bounds_their_features(model_dir, tm
     prep = PrepConfig(target=str(model_dir / "tiny"), data=str(model_dir / "prompts.jsonl"), out=str(tmp_path / "out"),
                       regenerate=True, max_turns=1, max_new_tokens=9, max_length=64)
     prepare(prep)
-    written = sum(len(r.input_ids) for split in ("train", "val") for r in load_examples(tmp_path / f"out/{split}.jsonl"))
+    written = sum(len(r.input_ids) for s in ("train", "val") for r in load_examples(tmp_path / f"out/{s}.jsonl"))
     assert written * 32 * 4 <= plan["feature_disk_bytes"] == plan["tokens"] * 32 * 4
 
 
@@ -198,6 +228,8 @@ def test_runs_that_do_not_fit_are_refused_before_the_target_loads(model_dir, tmp
     import eagle.target
     import train.plan
     from eagle_cli import main
+
+    import train.loop
 
     def no_load(*a, **k):
         raise AssertionError("the target was loaded")
@@ -214,7 +246,7 @@ def test_runs_that_do_not_fit_are_refused_before_the_target_loads(model_dir, tmp
 
     whole = load_target(str(model_dir / "tiny"))
     write_prepared(tmp_path / "data", whole)
-    monkeypatch.setattr(eagle.target, "load_target", no_load)
+    monkeypatch.setattr(train.loop, "load_target", no_load)
     monkeypatch.setattr(train.plan, "available_ram", lambda: 1000)
     argv = ["train", f"model.target={model_dir / 'tiny'}", f"data.prepared={tmp_path / 'data'}",
             f"run_dir={tmp_path / 'run'}", f"out={tmp_path / 'head'}", "budget.max_steps=1", "device=cpu"]
@@ -225,3 +257,62 @@ def test_runs_that_do_not_fit_are_refused_before_the_target_loads(model_dir, tmp
     monkeypatch.setattr(train.plan, "available_ram", lambda: 24 << 20)  # room for some batch, not for 8,192 tokens
     assert main([*argv, "optim.batch_tokens=8192"]) == 2
     assert "0.02 GiB free: lower optim.batch_tokens to " in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("family", ["llama-tied", "gemma3", "gemma3-multimodal", "qwen2", "phi3"])
+def test_families_load_without_their_layers_as_they_load_whole(family, tmp_path):
+    """Buffers outside the layers (Gemma's embedding scale) come with their values, tied embeddings stay tied, a
+    checkpoint in shards is read through its index: the embedding's output, the lm_head and the final norm's gain
+    are the whole model's, and so is the identity."""
+    from test_families import tiny_family
+
+    from eagle.head import final_norm_gain
+
+    t = tiny_family(family.removesuffix("-tied"))
+    if family == "llama-tied":
+        t.model.config.tie_word_embeddings = True
+        t.model.lm_head.weight = t.model.get_input_embeddings().weight
+    t.model.save_pretrained(tmp_path / "m", max_shard_size="20KB")  # several shards and an index
+    t.tokenizer.save_pretrained(tmp_path / "m")
+    assert (tmp_path / "m/model.safetensors.index.json").exists()
+    whole = load_target(str(tmp_path / "m"))
+    part = load_target(str(tmp_path / "m"), layers=False)
+    assert not part.has_layers and part.identity == whole.identity
+    ids = torch.tensor([[5, 9, 14, 3]])
+    assert torch.equal(part.embed(ids), whole.embed(ids))
+    assert torch.equal(part.lm_head.weight, whole.lm_head.weight)
+    assert torch.equal(final_norm_gain(part), final_norm_gain(whole))
+    if family == "llama-tied":
+        assert part.lm_head.weight is part.embed.weight
+
+
+def test_a_hub_target_loaded_without_its_layers_fetches_only_the_shards_it_reads(model_dir, tmp_path):
+    """A hub id, offline from the hub's cache holding the config, tokenizer, index and only the shards of the
+    embedding, final norm and lm_head (no layer shard at all): loaded without its layers it needs nothing more, and
+    its identity is the snapshot's commit."""
+    import shutil
+
+    t = load_target(str(model_dir / "tiny"))
+    src = tmp_path / "src"
+    t.model.save_pretrained(src, max_shard_size="20KB")
+    t.tokenizer.save_pretrained(src)
+    snap = tmp_path / "hub/models--org--tiny/snapshots/0123abcd"
+    snap.mkdir(parents=True)
+    (tmp_path / "hub/models--org--tiny/refs").mkdir()
+    (tmp_path / "hub/models--org--tiny/refs/main").write_text("0123abcd")
+    weight_map = json.loads((src / "model.safetensors.index.json").read_text())["weight_map"]
+    ends = {weight_map[k] for k in weight_map if ".layers." not in k}
+    for f in src.iterdir():
+        if not f.name.endswith(".safetensors") or f.name in ends:
+            shutil.copy(f, snap / f.name)
+    assert len(ends) < len(set(weight_map.values()))  # some shards hold layers alone, and are not there
+    script = ("import sys; sys.path.insert(0, sys.argv[1]); from eagle.target import load_target; "
+              "t = load_target('org/tiny', layers=False); "
+              "print(t.has_layers, t.identity, float(t.lm_head.weight.abs().sum()))")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HOME": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", script, str(ROOT)], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    has_layers, identity, lm_sum = done.stdout.split()
+    assert has_layers == "False" and float(lm_sum) == pytest.approx(float(t.lm_head.weight.abs().sum()))
+    assert identity != t.identity  # named by the snapshot, not by the files of another folder

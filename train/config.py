@@ -203,11 +203,12 @@ def check_config(cfg: TrainConfig) -> None:
         raise TrainError(f"data.feature_dtype {cfg.data.feature_dtype!r}: expected auto or one of "
                          f"{', '.join(FEATURE_DTYPES)}")
     resolve_device(cfg.device), resolve_dtype(cfg.model.head_dtype)  # one-line DeviceErrors
-    for key in ("dtype", "save_dtype"):
-        if getattr(cfg.model, key) != "auto":
-            resolve_dtype(getattr(cfg.model, key))
+    resolve_dtype(cfg.model.dtype, cfg.device), resolve_dtype(cfg.model.save_dtype, cfg.device)
     if cfg.mixed_precision not in ("auto", "none", "bf16", "fp16"):
         raise TrainError(f"mixed_precision {cfg.mixed_precision!r}: expected auto, none, bf16 or fp16")
+    if cfg.mixed_precision == "fp16" and resolve_dtype(cfg.model.head_dtype) == torch.float16:
+        raise TrainError("mixed_precision fp16 scales the loss for float32 master weights; model.head_dtype float16 "
+                         "has none: set model.head_dtype=float32")
     if cfg.model.init not in ("identity", "target_last_layer", "random"):
         raise TrainError(f"model.init {cfg.model.init!r} is not one of identity, target_last_layer, random")
     if cfg.optim.accumulate < 1:

@@ -18,12 +18,14 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from eagle import TargetModel
+from eagle import TargetModel, load_target
 from eagle.device import native_bfloat16
 from eagle.features import (FeatureError, FeatureStore, FeatureWriter, check_room, default_dtype, features_dir,
                             join_parts)
+from eagle.memory import TargetSize
 from train.config import TrainConfig
 from train.parallel import Ranks
+from train.plan import check_pass_fits
 
 PASS_TOKENS = 4096  # padded tokens a feature-pass batch holds
 
@@ -43,6 +45,9 @@ def cached_features(target: TargetModel, rows, prepared: Path, split: str, layer
     lengths = [r[0].shape[0] for r in rows]
     store = _stored_features(target, lengths, prepared, split, layers, dtype, ranks)
     if store is None:
+        if not target.has_layers:  # the whole target is to load: refuse, in one line, one the device cannot hold
+            check_pass_fits(TargetSize.of_module(target.model), target.device, target.dtype.itemsize,
+                            target.hidden_size * (1 + len(layers or [])))
         computing = (pass_target or target.whole)()
         if computing.identity != target.identity:
             store = _stored_features(computing, lengths, prepared, split, layers, dtype, ranks)
@@ -152,5 +157,11 @@ def feature_pass_target(cfg: TrainConfig, target: TargetModel,
     want = cfg.data.feature_pass
     if want == "target" or target.dtype == torch.bfloat16 or (want == "auto" and not native_bfloat16(target.device)):
         return None
-    return functools.cache(lambda: TargetModel(target.name, copy.deepcopy(whole().model).to(torch.bfloat16),
-                                               target.tokenizer, target.source))
+
+    def in_bfloat16() -> TargetModel:
+        if target.checkpoint is not None:  # its files, loaded again in bfloat16: no float32 copy on the way
+            return load_target(target.name, target.device, torch.bfloat16)
+        return TargetModel(target.name, copy.deepcopy(whole().model).to(torch.bfloat16), target.tokenizer,
+                           target.source)
+
+    return functools.cache(in_bfloat16)

@@ -28,7 +28,7 @@ import cpu_backend
 from data_prep import draft_vocabulary
 from eagle import EagleHead, HeadConfig, TargetModel, load_target
 from eagle.checkpoint import save_head
-from eagle.device import resolve_device, resolve_dtype
+from eagle.device import resolve_device
 from eagle.head import load_head, make_head
 from eagle.memory import TargetSize
 from eagle.target import target_config
@@ -39,6 +39,7 @@ from train.features import batch_features
 from train.losses import head_loss
 from train.parallel import Ranks, average_gradients
 from train.plan import check_training_fits
+from train.precision import Optim, Precision
 from train.runlog import RunLog
 from train.validate import validate
 
@@ -69,8 +70,7 @@ def train(cfg: TrainConfig, target: TargetModel | None = None) -> TrainState:
     if not cfg.model.device_map:  # refuse, before the target loads, a run the device cannot hold (train.plan)
         size = TargetSize.of_module(target.model) if target is not None else \
             TargetSize.of(target_config(cfg.model.target)[0])
-        check_training_fits(cfg, size, accelerator.device, precision.target.itemsize, precision.head.itemsize,
-                            precision.compute.itemsize if precision.compute else None)
+        check_training_fits(cfg, size, accelerator.device, precision, ranks)
     # on cached features a target's decoder layers are not loaded (`load_data` loads them if features are missing)
     target = target or load_target(cfg.model.target, device=accelerator.device, dtype=precision.target,
                                    device_map=cfg.model.device_map or None,
@@ -94,67 +94,6 @@ def train(cfg: TrainConfig, target: TargetModel | None = None) -> TrainState:
                f"({state.wait_s / max(state.train_s, 1e-9):.0%} of it waiting for data); best simulated validation "
                f"tau {state.best_tau:.3f} (k = {cfg.eval.num_speculative_tokens}); head in {cfg.out}")
     return state
-
-
-@dataclass
-class Precision:
-    """The dtypes of a run, from its config and device: the target's weights (`model.dtype`; auto: bfloat16 on CUDA,
-    else float32; a target handed in keeps its own), the head's master weights and AdamW states
-    (`model.head_dtype`), a training step's products (`mixed_precision` under autocast; None: the head's dtype),
-    and the head written to `out` (`model.save_dtype`; auto: the target's when it is 16-bit, else the head's)."""
-
-    target: torch.dtype
-    head: torch.dtype
-    compute: torch.dtype | None
-    save: torch.dtype
-
-    @classmethod
-    def of(cls, cfg: TrainConfig, device: torch.device, target: TargetModel | None = None) -> "Precision":
-        cuda = device.type == "cuda"
-        if target is not None:
-            tdtype = target.dtype
-        else:
-            tdtype = resolve_dtype(("bfloat16" if cuda else "float32") if cfg.model.dtype == "auto" else cfg.model.dtype)
-        mp = ("bf16" if cuda else "none") if cfg.mixed_precision == "auto" else cfg.mixed_precision
-        head = resolve_dtype(cfg.model.head_dtype)
-        save = (tdtype if tdtype.itemsize == 2 else head) if cfg.model.save_dtype == "auto" else \
-            resolve_dtype(cfg.model.save_dtype)
-        return cls(tdtype, head, {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}[mp], save)
-
-    @property
-    def mixed_precision(self) -> str:
-        return {None: "none", torch.bfloat16: "bf16", torch.float16: "fp16"}[self.compute]
-
-
-@dataclass
-class Optim:
-    """What a step updates the head with: AdamW over its trainable parameters (in the head's dtype: float32 master
-    weights by default), the loss scaler float16 products need so that small gradients do not vanish (a
-    pass-through otherwise), and the run's precision (the products' autocast dtype; the saved head's dtype)."""
-
-    opt: torch.optim.Optimizer
-    params: list[torch.Tensor]
-    scaler: torch.amp.GradScaler
-    precision: Precision
-
-    @classmethod
-    def of(cls, cfg: TrainConfig, head: EagleHead, precision: Precision) -> "Optim":
-        params = [p for n, p in head.named_parameters()
-                  if p.requires_grad and not n.startswith(("embed_tokens.", "lm_head."))]
-        opt = torch.optim.AdamW(params, lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
-                                weight_decay=cfg.optim.weight_decay)
-        device = params[0].device.type
-        return cls(opt, params, torch.amp.GradScaler(device, enabled=precision.compute == torch.float16), precision)
-
-    def save(self, folder: Path, state: TrainState) -> None:
-        torch.save(self.opt.state_dict(), folder / "optimizer.pt")
-        if self.scaler.is_enabled():
-            state.loss_scale = self.scaler.state_dict()
-
-    def load(self, folder: Path, state: TrainState) -> None:
-        self.opt.load_state_dict(torch.load(folder / "optimizer.pt", map_location="cpu", weights_only=True))
-        if self.scaler.is_enabled() and state.loss_scale:
-            self.scaler.load_state_dict(state.loss_scale)
 
 
 def check_launch(cfg: TrainConfig, accelerator, precision: Precision) -> None:
@@ -344,8 +283,10 @@ def train_step(cfg: TrainConfig, head, optim: Optim, target, data: TrainData, mi
     seconds = time.perf_counter() - t0 + waited
     total = average_gradients(optim.params, [*sums, seconds, waited], ranks)
     where = f"at step {state.step} (batch {state.batch_in_epoch} of epoch {state.epoch})"
-    if total[3]:
-        raise TrainError(f"loss is nan {where}: training stopped; {last_good(run, state.step)}")
+    if total[3]:  # (the loss scale of fp16 cannot help: it scales gradients, and this is the forward pass)
+        hint = "; float16 products overflow there: mixed_precision=bf16 keeps float32's range" \
+            if compute == torch.float16 else ""
+        raise TrainError(f"loss is nan {where}: training stopped; {last_good(run, state.step)}{hint}")
     scaler.unscale_(optim.opt)
     if cfg.optim.grad_clip:
         norm = torch.nn.utils.clip_grad_norm_(optim.params, cfg.optim.grad_clip)

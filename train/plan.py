@@ -25,9 +25,12 @@ from data_prep.prep import PrepConfig, planned_rows
 from data_prep.regenerate import PREFILL_TOKENS
 from eagle.device import resolve_dtype
 from eagle.features import default_dtype
-from eagle.memory import HeadSize, TargetSize, largest_batch_tokens, prep_needs, train_needs
+from eagle.configio import load_config
+from eagle.memory import HeadSize, TargetSize, largest_batch_tokens, pass_needs, prep_needs, train_needs
 from eagle.target import target_config
 from train.config import TrainConfig
+from train.parallel import Ranks
+from train.precision import Precision
 
 
 class PlanError(ValueError):
@@ -40,23 +43,25 @@ class PlanConfig:
     data: str = ""  # a conversation source as `eagle prep` reads it (rendered and counted), or:
     rows: int = 0  # instead of data: this many rows of ...
     tokens_per_row: int = 0  # ... this many tokens each (with regenerate: the prompt; the reply adds max_new_tokens)
+    # prep's side (unset: eagle prep's defaults)
     max_rows: int | None = None
     skip_rows: int = 0
-    max_length: int | None = None  # unset: eagle prep's default
+    max_length: int | None = None
     max_new_tokens: int | None = None
     max_turns: int | None = 1
     regenerate: bool = True  # one-turn regeneration keeping the features (prep's usual recipe for a head)
     regen_batch_size: int | None = None
     dtype: str = "auto"  # the target's: auto (bfloat16 on GPUs, float32 on a CPU), float32, bfloat16, float16
     feature_dtype: str = "auto"  # the stored features': auto (the target's), float32, bfloat16, float16
-    head_type: str = "eagle1"  # eagle1 or eagle3
-    num_layers: int = 1
-    draft_vocab: int = 0
-    steps: int = 0  # unrolled steps of the training-time test (0: 1 for eagle1, 7 for eagle3)
-    unroll_fraction: float = 1.0
-    batch_tokens: int | None = None  # unset: eagle train's default (optim.batch_tokens)
-    loss_positions: str = ""  # the positions scored, loss.positions: assistant or all (unset: eagle train's default)
-    online: bool = False  # data.online: the target in the loop, no feature cache
+    # training's side: a preset (a TrainConfig YAML), and these of its keys (unset: the preset's, or eagle train's
+    # defaults)
+    config: str = ""
+    head_type: str = ""  # model.head_type: eagle1 or eagle3
+    draft_vocab: int | None = None  # model.draft_vocab
+    steps: int | None = None  # loss.steps: unrolled steps of the training-time test
+    batch_tokens: int | None = None  # optim.batch_tokens
+    num_prompts: int | None = None  # eval.num_prompts: held-out prompts the main process decodes (the whole target)
+    online: bool | None = None  # data.online: the target in the loop, no feature cache
     gpus: int = 0  # processes, one a GPU (0: this machine's devices; a CPU plan when there is no GPU)
     gpu_memory: float = 0.0  # GiB a GPU (0: this machine's free memory; for a CPU plan, the available RAM)
     json: bool = False  # one JSON object instead of the table
@@ -119,16 +124,28 @@ def device_memory(cfg: PlanConfig) -> tuple[str, int, int]:
     return "cpu", available_ram(), 1
 
 
+def train_config(cfg: PlanConfig) -> TrainConfig:
+    """The training run the plan is for: the preset `config`, with the plan's own keys over it."""
+    keys = {"model.head_type": cfg.head_type or None, "model.draft_vocab": cfg.draft_vocab,
+            "loss.steps": cfg.steps, "optim.batch_tokens": cfg.batch_tokens, "eval.num_prompts": cfg.num_prompts,
+            "data.online": cfg.online, "model.dtype": None if cfg.dtype == "auto" else cfg.dtype}
+    train = load_config(TrainConfig, cfg.config or None, [f"{k}={v}" for k, v in keys.items() if v is not None])
+    if train.model.head_type not in ("eagle1", "eagle3"):
+        raise PlanError(f"head_type {train.model.head_type!r}: expected eagle1 or eagle3")
+    return train
+
+
 def make_plan(cfg: PlanConfig) -> Plan:
     if not cfg.target:
         raise PlanError("name the target: --target DIR|HUB_ID|ALIAS")
     if bool(cfg.data) == bool(cfg.rows):
-        raise PlanError("give the data (--data FILE|sharegpt) or a row count (--rows N --tokens-per-row T), one of them")
-    if cfg.head_type not in ("eagle1", "eagle3"):
-        raise PlanError(f"head_type {cfg.head_type!r}: expected eagle1 or eagle3")
+        raise PlanError("give the data (--data FILE|sharegpt) or a row count (--rows N --tokens-per-row T), one of "
+                        "the two")
+    train = train_config(cfg)
     kind, device_bytes, processes = device_memory(cfg)
     cuda = kind == "cuda"
-    tdtype = resolve_dtype(("bfloat16" if cuda else "float32") if cfg.dtype == "auto" else cfg.dtype)
+    precision = Precision.of(train, torch.device(kind))
+    tdtype = precision.target
     fdtype = default_dtype(tdtype) if cfg.feature_dtype == "auto" else resolve_dtype(cfg.feature_dtype)
     config, tok = target_config(cfg.target, tokenizer=bool(cfg.data))  # a row count needs no tokenizer
     size = TargetSize.of(config)
@@ -149,22 +166,18 @@ def make_plan(cfg: PlanConfig) -> Plan:
     prep_need = prep_needs(size, prompts if cfg.regenerate else [], prep.max_new_tokens, prep.regen_batch_size,
                            tdtype.itemsize, fdtype.itemsize, on_host=not cuda, keep_features=one_turn,
                            runtime=runtime, prefill_tokens=PREFILL_TOKENS)
-    # 3. training: one process's device
-    train = TrainConfig()
-    head = HeadSize.of(size, cfg.head_type, cfg.num_layers, cfg.draft_vocab)
-    steps = cfg.steps or (7 if cfg.head_type == "eagle3" else 1)
-    positions = cfg.loss_positions or train.loss.positions
-    # the share of positions scored: every one, or the assistant tokens (replies of max_new_tokens at most)
-    replies = sum(r - p for r, p in zip(rows, prompts)) if cfg.regenerate else sum(rows)
-    scored = 1.0 if positions == "all" else min(1.0, replies / max(1, sum(rows)))
-    kw = dict(steps=steps, unroll_fraction=cfg.unroll_fraction, online=cfg.online, target_bytes=tdtype.itemsize,
-              head_bytes=4, compute_bytes=2 if cuda else 4, cuda=cuda, runtime=0 if cuda else runtime, scored=scored)
-    batch_tokens = cfg.batch_tokens or train.optim.batch_tokens
-    train_need = train_needs(size, head, batch_tokens, **kw)
+    # 3. training: the main process's device (it also decodes the held-out prompts, with the whole target)
+    if train.loss.positions == "all":
+        scored = 1.0
+    else:  # the assistant tokens: replies of max_new_tokens at most
+        scored = min(1.0, (sum(r - p for r, p in zip(rows, prompts)) if cfg.regenerate else sum(rows))
+                     / max(1, sum(rows)))
+    head, kw = step_needs(train, size, precision, cuda, scored, processes, main=True)
+    train_need = train_needs(size, head, train.optim.batch_tokens, runtime=0 if cuda else runtime, **kw)
     # EAGLE-3's training store holds the last hidden state and the three fused layers; prep's (one-turn
     # regeneration) the last alone, which an EAGLE-1 head trains on
-    store = 0 if cfg.online else sum(rows) * head.feature_width * fdtype.itemsize
-    disk = prep_need.feature_disk + (store if cfg.head_type == "eagle3" or not one_turn else 0)
+    store = 0 if train.data.online else sum(rows) * head.feature_width * fdtype.itemsize
+    disk = prep_need.feature_disk + (store if head.head_type == "eagle3" or not one_turn else 0)
     return Plan(
         feature_disk_bytes=disk, prep_peak_host_bytes=prep_need.host.total,
         prep_peak_device_bytes=prep_need.device.total, train_peak_device_bytes=train_need.total,
@@ -173,9 +186,21 @@ def make_plan(cfg: PlanConfig) -> Plan:
         prep_device_parts=prep_need.device.parts, train_parts=train_need.parts,
         target={"params": size.params, "outside_layers": size.outside_layers, "hidden": size.hidden,
                 "layers": size.layers, "vocab": size.vocab, "dtype": str(tdtype).removeprefix("torch.")},
-        head={"type": cfg.head_type, "params": head.params, "draft_vocab": head.draft_vocab, "steps": steps,
-              "batch_tokens": batch_tokens, "feature_dtype": str(fdtype).removeprefix("torch.")},
+        head={"type": head.head_type, "params": head.params, "draft_vocab": head.draft_vocab,
+              "steps": train.loss.steps, "batch_tokens": train.optim.batch_tokens,
+              "feature_dtype": str(fdtype).removeprefix("torch."), "num_prompts": train.eval.num_prompts},
         processes=processes, device=kind)
+
+
+def step_needs(cfg: TrainConfig, size: TargetSize, precision: Precision, cuda: bool, scored: float,
+               processes: int, main: bool) -> tuple[HeadSize, dict]:
+    """The head of a training config and the keywords of `eagle.memory.train_needs` for one of its processes: its
+    dtypes, steps, positions, processes, and (`main`, validation decoding prompts) the whole target."""
+    head = HeadSize.of(size, cfg.model.head_type, cfg.model.num_layers, cfg.model.draft_vocab)
+    return head, dict(steps=cfg.loss.steps, unroll_fraction=cfg.loss.unroll_fraction, online=cfg.data.online,
+                      target_bytes=precision.target.itemsize, head_bytes=precision.head.itemsize,
+                      compute_bytes=precision.compute.itemsize if precision.compute else None, cuda=cuda,
+                      scored=scored, processes=processes, decode=main and cfg.eval.num_prompts > 0)
 
 
 def parts(d: dict) -> str:
@@ -223,21 +248,33 @@ def scored_share(cfg: TrainConfig) -> float:
         return 1.0
 
 
-def check_training_fits(cfg: TrainConfig, size: TargetSize, device: torch.device, target_bytes: int,
-                        head_bytes: int, compute_bytes: int | None) -> None:
+def check_training_fits(cfg: TrainConfig, size: TargetSize, device: torch.device, precision: Precision,
+                        ranks: Ranks) -> None:
     """Refuse, in one line and before the target loads, a training run whose process needs more memory than its
     device has free (`eagle.memory.train_needs`: the target part, the head, its AdamW states, a step's
-    activations), naming both numbers and the optim.batch_tokens that would fit."""
+    activations; on the main process, the whole target when validation decodes prompts), naming both numbers and
+    what would fit. On a CPU the processes share the machine's memory."""
     cuda = device.type == "cuda"
     # on a CPU what this process holds already (interpreter, torch) is not in the available memory, nor in the need
-    free = torch.cuda.mem_get_info(device)[0] if cuda else available_ram()
-    head = HeadSize.of(size, cfg.model.head_type, cfg.model.num_layers, cfg.model.draft_vocab)
-    kw = dict(steps=cfg.loss.steps, unroll_fraction=cfg.loss.unroll_fraction, online=cfg.data.online,
-              target_bytes=target_bytes, head_bytes=head_bytes, compute_bytes=compute_bytes, cuda=cuda,
-              scored=scored_share(cfg))
+    free = torch.cuda.mem_get_info(device)[0] if cuda else available_ram() // ranks.count
+    head, kw = step_needs(cfg, size, precision, cuda, scored_share(cfg), ranks.count, ranks.main)
     need = train_needs(size, head, cfg.optim.batch_tokens, **kw)
     if need.total > free:
         n = largest_batch_tokens(size, head, free, **kw)
         hint = f"lower optim.batch_tokens to {n:,} or less" if n else "no batch fits: use a device with more memory"
+        if need.parts["decoding_target"] and need.parts["decoding_target"] > need.total - free:
+            hint = "eval.num_prompts=0 leaves the whole target, which decodes the held-out prompts, out; or " + hint
         raise PlanError(f"training needs {gib(need.total)} on {device} ({parts(need.parts)}), {gib(free)} free: "
                         f"{hint}")
+
+
+def check_pass_fits(size: TargetSize, device: torch.device, target_bytes: int, width: int) -> None:
+    """Refuse, in one line, a feature pass whose target (its decoder layers beside the ends already loaded) and
+    batch the device cannot hold."""
+    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else available_ram()
+    need = pass_needs(size, target_bytes, width)
+    if need.total > free:
+        raise PlanError(f"the feature pass needs {gib(need.total)} more on {device} ({parts(need.parts)}), "
+                        f"{gib(free)} free: prepare the features where the whole target fits (eagle prep "
+                        "--regenerate keeps them), or train online on a target spread over devices "
+                        "(data.online=true model.device_map=auto)")

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from eagle import EagleHead, TargetModel
-from eagle.head import make_head
+from eagle.head import SHARED_PREFIXES, make_head
 from train.config import TrainConfig
 from train.data import collate, make_batches
 from train.losses import head_inputs, head_loss, unrolled
@@ -116,7 +116,9 @@ def decoding_head(head: EagleHead, target: TargetModel) -> EagleHead:
     if next(head.parameters()).dtype == target.dtype and head.lm_head is target.lm_head:
         return head
     twin = make_head(head.config).to(device=target.device, dtype=target.dtype)
-    twin.load_state_dict(head.trainable_state_dict(), strict=False)
+    missing, unexpected = twin.load_state_dict(head.trainable_state_dict(), strict=False)
+    if unexpected or any(not k.startswith(SHARED_PREFIXES) for k in missing):  # only the target's own may be left
+        raise ValueError(f"the head's copy for decoding lacks {missing[:3]} / has no place for {unexpected[:3]}")
     return twin.eval().attach(target)
 
 
