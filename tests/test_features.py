@@ -51,7 +51,7 @@ def test_a_killed_feature_pass_resumes_after_its_last_complete_shard(tmp_path, m
     monkeypatch.setattr(features, "SHARD_BYTES", 32 * 4 * 40)  # a shard every ~40 tokens
     real, seen = loop.target_features, []
 
-    def killed(target, rows, todo, writer, desc, layers=None, ranks=None):
+    def killed(target, rows, todo, writer, desc, layers=None, *rest):
         class Dies:  # the writer of a process killed after 12 rows
             dtype = writer.dtype
 
@@ -71,7 +71,7 @@ def test_a_killed_feature_pass_resumes_after_its_last_complete_shard(tmp_path, m
     assert not index["complete"] and 0 < len(kept) <= 12 and kept <= set(seen)
     (folder / "shard-99999.safetensors").write_bytes(b"half")  # as a kill mid-write leaves one: never read
     computed = []
-    monkeypatch.setattr(loop, "target_features", lambda t, r, todo, w, d, layers=None, ranks=None:
+    monkeypatch.setattr(loop, "target_features", lambda t, r, todo, w, d, layers=None, *rest:
                         computed.extend(todo) or real(t, r, todo, w, d, layers))
     store = loop.cached_features(target, rows, tmp_path / "data", "train")
     assert sorted(computed) == sorted(set(range(len(rows))) - kept)  # only what no complete shard held
@@ -104,7 +104,7 @@ def test_a_shard_cut_short_after_the_pass_is_computed_again_and_nothing_else(tmp
     assert FeatureStore.open(folder, [len(r[0]) for r in rows]) is None
     real, computed = loop.target_features, []
     monkeypatch.setattr(loop, "target_features",
-                        lambda t, r, todo, w, d, layers=None, ranks=None:
+                        lambda t, r, todo, w, d, layers=None, *rest:
                         computed.extend(todo) or real(t, r, todo, w, d, layers))
     store = loop.cached_features(target, rows, tmp_path / "data", "train")
     assert sorted(computed) == sorted(index["shards"][1]["rows"])

@@ -124,3 +124,36 @@ def test_launches_the_loop_does_not_serve_are_one_line_errors():
     cfg.model.device_map = "auto"
     with pytest.raises(TrainError, match="^model.device_map 'auto' spreads one target over the devices; with 2 "):
         check(cfg, launch(processes=2))
+
+
+def test_two_processes_share_the_feature_pass_and_write_one_processs_store(setup, tmp_path):
+    """With no features cached, each of 2 processes computes every other batch of the pass into its own shards, and
+    the main process joins them in one index: the store reads row for row, bit for bit, what one process writes."""
+    import shutil
+
+    from eagle.features import FeatureStore
+    from eagle.target import load_target
+    from train.config import TrainConfig
+    from train.data import load_rows
+
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        for f in ("train.jsonl", "val.jsonl"):
+            shutil.copy(setup / "data" / f, tmp_path / name / f)
+    runs = {}
+    for name, processes in (("a", 2), ("b", 1)):
+        runs[name] = run_train(setup, f"share-{name}", processes, f"data.prepared={tmp_path / name}",
+                               "budget.max_steps=1", "eval.num_prompts=0", "data.pass_tokens=128")
+        assert runs[name].returncode == 0, runs[name].stderr[-3000:]
+    assert "2 processes share the pass" in runs["a"].stdout
+    cfg = TrainConfig()
+    rows = load_rows(cfg, "train", str(tmp_path / "a"))
+    lengths = [len(r[0]) for r in rows]
+    target = load_target(str(setup / "tiny"), layers=False)
+    from eagle.features import features_dir
+
+    a = features_dir(tmp_path / "a", "train", target)
+    b = features_dir(tmp_path / "b", "train", target)
+    assert {f.name.split("-")[1] for f in a.glob("shard-*")} == {"p0", "p1"} and not list(a.glob("index-p*"))
+    sa, sb = FeatureStore.open(a, lengths), FeatureStore.open(b, lengths)
+    assert all(torch.equal(sa[i], sb[i]) for i in range(len(lengths)))

@@ -82,6 +82,8 @@ class DataConfig:
     # processes that read and collate batches ahead of the step (torch's DataLoader): -1 picks what measured
     # fastest, 0 on a CPU (2 cores: a worker takes a core from the step) and 4 on a GPU
     workers: int = -1
+    # padded tokens a batch of the feature pass holds (its activations: a layer's of that many tokens)
+    pass_tokens: int = 4096
 
 
 @dataclass

@@ -248,10 +248,12 @@ def load_data(cfg: TrainConfig, target: TargetModel, ranks: Ranks = Ranks()) -> 
     if not cfg.data.online:
         dtype = None if cfg.data.feature_dtype == "auto" else getattr(torch, cfg.data.feature_dtype)
         other = feature_pass_target(cfg, target, whole) or whole
-        feats = FeatureStore.concat([cached_features(target, part, Path(src), "train", layers, dtype, other, ranks)
-                                     for src, part in zip(sources, parts)])
+        tokens = cfg.data.pass_tokens
+        feats = FeatureStore.concat([cached_features(target, part, Path(src), "train", layers, dtype, other, ranks,
+                                                     tokens) for src, part in zip(sources, parts)])
         # held-out rows always by the target itself: the simulated tau they give equals real decoding's
-        val_feats = cached_features(target, val_rows, Path(cfg.data.prepared), "val", layers, dtype, whole, ranks)
+        val_feats = cached_features(target, val_rows, Path(cfg.data.prepared), "val", layers, dtype, whole, ranks,
+                                    tokens)
     feature_s = time.perf_counter() - t0
     sources = [s for s, part in enumerate(parts) for _ in part]
     keep = repeat_free(rows, val_rows, cfg.data.val_overlap)

@@ -27,12 +27,11 @@ from train.config import TrainConfig
 from train.parallel import Ranks
 from train.plan import check_pass_fits
 
-PASS_TOKENS = 4096  # padded tokens a feature-pass batch holds
 
 
 def cached_features(target: TargetModel, rows, prepared: Path, split: str, layers: list[int] | None = None,
                     dtype: torch.dtype | None = None, pass_target: Callable[[], TargetModel] | None = None,
-                    ranks: Ranks = Ranks()) -> FeatureStore:
+                    ranks: Ranks = Ranks(), pass_tokens: int = 4096) -> FeatureStore:
     """Target features of every row, kept in `dtype` (None: any dtype a complete store of the target's is in, else
     the target's) in a store beside the prepared rows (eagle.features: shards written as they are computed, read a
     row at a time) so later runs on the same data skip the pass; prep leaves them there when regeneration computed
@@ -41,7 +40,8 @@ def cached_features(target: TargetModel, rows, prepared: Path, split: str, layer
 
     `pass_target` (a callable returning a TargetModel: `target` with its layers, or a bfloat16 copy) computes the
     features when `target` has none stored for these rows (default: `target.whole()`); a store is keyed by the
-    identity of the target that computed it, so a copy's never passes for `target`'s."""
+    identity of the target that computed it, so a copy's never passes for `target`'s. The pass runs batches of
+    about `pass_tokens` padded tokens (data.pass_tokens)."""
     lengths = [r[0].shape[0] for r in rows]
     store = _stored_features(target, lengths, prepared, split, layers, dtype, ranks)
     if store is None:
@@ -67,7 +67,7 @@ def cached_features(target: TargetModel, rows, prepared: Path, split: str, layer
                                            if len(todo) < len(lengths) else "")
                       + (f"; {ranks.count} processes share the pass" if ranks.count > 1 else ""))
             check_room(folder, size, f"target features ({split})")
-            target_features(target, rows, todo, w, f"target features ({split})", layers, ranks)
+            target_features(target, rows, todo, w, f"target features ({split})", layers, ranks, pass_tokens)
         if ranks.count > 1:
             ranks.barrier()
             if ranks.main:
@@ -116,12 +116,12 @@ def batch_features(target: TargetModel, ids: torch.Tensor, layers: list[int] | N
     return last if aux is None else torch.cat([last, aux], dim=-1)
 
 
-def pass_batches(rows, todo: list[int]) -> list[list[int]]:
-    """The rows `todo` sorted by length, in batches of about PASS_TOKENS padded tokens."""
+def pass_batches(rows, todo: list[int], pass_tokens: int = 4096) -> list[list[int]]:
+    """The rows `todo` sorted by length, in batches of about `pass_tokens` padded tokens."""
     order = sorted(todo, key=lambda i: rows[i][0].shape[0])
     batches, i = [], 0
     while i < len(order):
-        j = i + max(1, PASS_TOKENS // rows[order[i]][0].shape[0])
+        j = i + max(1, pass_tokens // rows[order[i]][0].shape[0])
         batches.append(order[i:j])
         i = j
     return batches
@@ -129,11 +129,11 @@ def pass_batches(rows, todo: list[int]) -> list[list[int]]:
 
 @torch.inference_mode()
 def target_features(target: TargetModel, rows, todo: list[int], writer: FeatureWriter, desc: str,
-                    layers: list[int] | None = None, ranks: Ranks = Ranks()) -> None:
+                    layers: list[int] | None = None, ranks: Ranks = Ranks(), pass_tokens: int = 4096) -> None:
     """Run the target over this process's share of the rows `todo` (every `ranks.count`-th of their batches) and
     hand their post-norm last hidden states (followed by the `layers` an EAGLE-3 head reads) to `writer`, which
     writes them shard by shard: one copy to the host a batch, in the store's dtype."""
-    mine = pass_batches(rows, todo)[ranks.index::ranks.count]
+    mine = pass_batches(rows, todo, pass_tokens)[ranks.index::ranks.count]
     bar = tqdm(total=sum(rows[k][0].shape[0] for idx in mine for k in idx), desc=desc, unit="tok",
                dynamic_ncols=True, disable=not ranks.main)
     for idx in mine:
