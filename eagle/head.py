@@ -363,6 +363,9 @@ class Eagle3Head(EagleHead):
         H, n_feats = config.hidden_size, len(config.feature_layer_ids)
         vocab = config.draft_vocab_size or config.vocab_size
         self.fc = nn.Linear(n_feats * H, H, bias=False)
+        # EAGLE-3.1: each fused layer normed on its own before fc (their scales differ by orders of magnitude)
+        self.fc_norm = (nn.ModuleList([RMSNorm(H, config.rms_norm_eps) for _ in range(n_feats)])
+                        if config.fc_norm else None)
         self.layers = nn.ModuleList([Eagle3Layer(config)])
         self.norm = RMSNorm(H, config.rms_norm_eps)
         self.draft_head = nn.Linear(H, vocab, bias=False)
@@ -407,17 +410,25 @@ class Eagle3Head(EagleHead):
     def forward(self, features: torch.Tensor, input_ids: torch.Tensor, position_ids: torch.Tensor,
                 cache: HeadCache | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
         """Fused target features (3H) or the head's own hidden states (H), with token t+1 -> hidden h[t]."""
-        x = self.fc(features) if features.shape[-1] != self.config.hidden_size else features
+        x = self.fuse(features) if features.shape[-1] != self.config.hidden_size else features
         emb = self.embed(input_ids).to(x.dtype)
         cos, sin = rope_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta, x.dtype)
         for i, layer in enumerate(self.layers):
             x = layer(emb, x, cos, sin, cache, i, mask)
         if cache is not None:
             cache.length += input_ids.shape[1]
-        return x
+        return self.norm(x) if self.config.norm_output else x
+
+    def fuse(self, features: torch.Tensor) -> torch.Tensor:
+        """fc over the concatenated target layers [..., n*H] -> [..., H] (each normed first with fc_norm)."""
+        if self.fc_norm is not None:
+            parts = features.chunk(len(self.fc_norm), dim=-1)
+            features = torch.cat([norm(part) for norm, part in zip(self.fc_norm, parts)], dim=-1)
+        return self.fc(features)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.draft_head(self.norm(hidden))
+        """Draft logits of `forward`'s output (already normed with norm_output, as vLLM's EAGLE-3.1 feeds it on)."""
+        return self.draft_head(hidden if self.config.norm_output else self.norm(hidden))
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return self.d2t[draft_ids]

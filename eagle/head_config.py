@@ -25,6 +25,10 @@ class HeadConfig:
     # 0: draft over the target's whole vocabulary; n > 0: over n target tokens listed in the `d2t` buffer
     # (EAGLE-3's reduced draft vocabulary, here for EAGLE-1/2 heads too: the lm_head dominates drafting cost)
     draft_vocab_size: int = 0
+    # EAGLE-3.1 (arXiv 2605.09992), EAGLE-3 heads only: an RMSNorm on each fused target layer before fc, and the
+    # normed output (not the pre-norm hidden) fed to the next draft step
+    fc_norm: bool = False
+    norm_output: bool = False
     logit_softcap: float | None = None
     target: str = ""
     tokenizer_fingerprint: str = ""

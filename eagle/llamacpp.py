@@ -183,6 +183,10 @@ def check(c, out: Path, outtype: str) -> None:
     if len(c.feature_layer_ids) != 3:
         raise ExportError(f"feature_layer_ids {c.feature_layer_ids}: llama.cpp's EAGLE3 draft fuses exactly 3 target "
                           "layers")
+    variant = [k for k in ("fc_norm", "norm_output") if getattr(c, k, False)]
+    if variant:
+        raise ExportError(f"{' and '.join(variant)} (EAGLE-3.1): llama.cpp 0c1e570's EAGLE3 draft has neither; export "
+                          "this head for vLLM (--format speculators) or train an EAGLE-3 head without them")
     if outtype not in OUTTYPES:
         raise ExportError(f"--outtype {outtype!r}: expected one of {', '.join(OUTTYPES)}")
     if out.suffix != ".gguf":

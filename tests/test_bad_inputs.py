@@ -247,8 +247,8 @@ def test_export_refuses_a_directory_that_is_not_a_head(files, tmp_path, capsys):
     assert rc == 2 and line.startswith(f"eagle export: error: --out '{files / 'head'}' is the --draft directory")
     # a head is replaced whole, and an empty directory made for it is fine
     (tmp_path / "pub").mkdir()
-    assert cli(capsys, "export", "--draft", files / "head", "--out", tmp_path / "pub")[0] == 0
-    assert cli(capsys, "export", "--draft", files / "head", "--out", tmp_path / "pub")[0] == 0
+    for _ in range(2):  # (the fixture's head has an fc bias, which SGLang keeps and vLLM would drop)
+        assert cli(capsys, "export", "--draft", files / "head", "--out", tmp_path / "pub", "--for", "sglang")[0] == 0
     assert sorted(p.name for p in (tmp_path / "pub").iterdir()) == ["config.json", "model.safetensors"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "mine", "pub"]
 

@@ -10,9 +10,10 @@ from infer import SpeculativeDecoder
 PROMPT = [5, 9, 14, 22, 7, 31, 3]
 
 
-def eagle3_head(target, draft_vocab=40, seed=1):
+def eagle3_head(target, draft_vocab=40, seed=1, **variant):
     torch.manual_seed(seed)
-    cfg = HeadConfig.for_target(target, head_type="eagle3", feature_layer_ids=[0, 1, 2], draft_vocab_size=draft_vocab)
+    cfg = HeadConfig.for_target(target, head_type="eagle3", feature_layer_ids=[0, 1, 2], draft_vocab_size=draft_vocab,
+                                **variant)
     head = make_head(cfg).to(target.dtype).attach(target)
     head.set_draft_vocab(torch.arange(4, 4 + 2 * draft_vocab, 2))
     return head
@@ -67,3 +68,28 @@ def test_draft_readout_starts_as_the_targets():
     head.init_from_target_lm_head(target)
     h = torch.randn(3, target.hidden_size, dtype=torch.float64) * 5
     assert torch.allclose(head.logits(h), target.lm_head(target.base.norm(h))[:, head.d2t], atol=1e-9)
+
+
+def test_eagle31_norms_each_fused_layer_and_feeds_the_normed_output_on(tmp_path):
+    """EAGLE-3.1: fc reads each target layer RMS-normed on its own; the hidden passed to the next step (and read by
+    the draft lm_head) is the normed output. Saved and loaded exactly; greedy decoding stays lossless."""
+    target = tiny_target()
+    head = eagle3_head(target, fc_norm=True, norm_output=True)
+    with torch.no_grad():
+        for i, norm in enumerate(head.fc_norm):
+            norm.weight.copy_(torch.linspace(0.5, 1.5, target.hidden_size) * (i + 1))
+    H = target.hidden_size
+    feats = torch.randn(1, 4, 3 * H, dtype=torch.float64)
+    scaled = torch.cat([feats[..., :H] * 30, feats[..., H:2 * H], feats[..., 2 * H:] * 0.5], dim=-1)
+    ids, pos = torch.randint(0, 90, (1, 4)), torch.arange(4)[None]
+    h = head(feats, ids, pos)
+    torch.testing.assert_close(head(scaled, ids, pos), h, rtol=1e-4, atol=1e-4)  # each layer's scale normed away
+    torch.testing.assert_close(h, head.norm(h), rtol=1e-4, atol=1e-4)  # the output is normed already (RMSNorm of RMSNorm, same gain 1)
+    torch.testing.assert_close(head.logits(h), head.draft_head(h))
+    head.save_pretrained(tmp_path / "h")
+    again = EagleHead.from_pretrained(tmp_path / "h", dtype=torch.float64).attach(target)
+    assert again.config.fc_norm and again.config.norm_output
+    torch.testing.assert_close(again(feats, ids, pos), h, rtol=0, atol=0)
+    dec = SpeculativeDecoder(target, head)
+    base = dec.generate(PROMPT, 40, speculative=False)
+    assert dec.generate(PROMPT, 40, num_speculative_tokens=4).token_ids == base.token_ids

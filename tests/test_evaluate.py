@@ -96,3 +96,19 @@ def test_eval_cli_takes_tree_options(tmp_path):
     cfg = _config_from_args(EvalConfig, args)
     assert (cfg.decode.mode, cfg.decode.top_k, cfg.decode.depth, cfg.decode.total_tokens) == ("dynamic", 3, 5, 10)
     assert cfg.decode.temperature == 0.7 and cfg.cpu.fast_path is False and cfg.data == "x.jsonl"
+
+
+def test_speedup_is_the_median_of_per_prompt_ratios():
+    """Another job on the cores during a few prompts' plain runs moves the aggregate, not the median."""
+    from infer.decoder import GenerateOutput
+    from infer.evaluate import _summary, speedup_spread
+
+    def run(tokens, seconds):
+        return GenerateOutput(token_ids=[1] * tokens, text="", prompt_len=3, accept_lengths=[1], total_s=seconds)
+
+    pairs = [(run(100, 10.0), run(100, 8.0)) for _ in range(7)]  # 1.25x each
+    pairs += [(run(400, 400.0), run(10, 1.0))]  # a long plain run slowed 10x by another job: 10x on its own
+    median, quartiles = speedup_spread(pairs)
+    assert median == pytest.approx(1.25) and quartiles == [pytest.approx(1.25), pytest.approx(1.25)]
+    s = _summary(pairs, 1)
+    assert s["speedup"] == pytest.approx(1.25) and s["speedup_aggregate"] > 4  # the slowed plain run weighs most

@@ -14,7 +14,7 @@ import torch
 from tiny import tiny_target
 
 import eagle.features as features
-from eagle.features import FeatureStore, FeatureWriter, features_dir, write_features
+from eagle.features import FeatureStore, FeatureWriter, features_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 

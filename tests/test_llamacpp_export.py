@@ -109,6 +109,9 @@ def test_what_llamacpp_cannot_run_is_refused_in_one_line(tmp_path, capsys):
         err = capsys.readouterr().err.strip()
         assert err.startswith("eagle export: error: ") and said in err and "\n" not in err
     assert (tmp_path / "notes.gguf").read_text() == "mine" and not (tmp_path / "x.gguf").exists()
+    with pytest.raises(ExportError, match=r"^fc_norm and norm_output \(EAGLE-3.1\): llama.cpp 0c1e570's EAGLE3"):
+        from eagle.llamacpp import check
+        check(HeadConfig(**{**vars(e3.config), "fc_norm": True, "norm_output": True}), tmp_path / "z.gguf", "f16")
     with pytest.raises(ExportError, match="has 49152 tokens but the head was made for a vocabulary of 100"):
         from eagle.llamacpp import export_llamacpp
         export_llamacpp(make_head(HeadConfig(**{**vars(e3.config), "vocab_size": 100, "draft_vocab_size": 0})),

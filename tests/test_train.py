@@ -244,6 +244,8 @@ def test_unrolled_steps_see_what_drafting_sees():
     ("data.online=true",),
     ("model.head_type=eagle3", "model.feature_layers=[1,2,2]", "loss.steps=2", "data.online=true"),
     ("model.head_type=eagle3", "model.feature_layers=[0,1,2]", "loss.steps=4", "loss.unroll_fraction=0.3"),
+    ("model.head_type=eagle3", "model.feature_layers=[0,1,2]", "loss.steps=3", "model.fc_norm=true",
+     "model.norm_output=true"),  # EAGLE-3.1
 ])
 def test_eagle3_and_online_training_learn(tmp_path, target, overrides):
     """Top-1 agreement with the target rises (EAGLE-3's CE alone cannot fall below the entropy of p, which is
@@ -258,6 +260,7 @@ def test_eagle3_and_online_training_learn(tmp_path, target, overrides):
     assert state.done and sum(acc[-5:]) / 5 > sum(acc[:5]) / 5 + 0.2
     head = EagleHead.from_pretrained(tmp_path / "head").attach(target)
     assert isinstance(head, Eagle3Head) == ("model.head_type=eagle3" in overrides)
+    assert (head.config.fc_norm, head.config.norm_output) == (("model.fc_norm=true" in overrides,) * 2)
     online = "data.online=true" in overrides
     assert online == (not list((tmp_path / "data").glob("features-*")))  # online runs cache nothing
 

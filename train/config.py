@@ -28,8 +28,13 @@ class ModelConfig:
     # last layer; "random": from scratch
     init: str = "identity"
     num_layers: int = 1  # decoder layers of an EAGLE-1/2 head (EAGLE's: one; EAGLE-3 heads have one)
-    # an EAGLE-1/2 head's fc bias (EAGLE's original heads have one; vLLM's EAGLE-1 model drops it: false for vLLM)
-    fc_bias: bool = True
+    # an EAGLE-1/2 head's fc bias (EAGLE's original heads have one). vLLM's EAGLE-1 model has none and `eagle export
+    # --for vllm` refuses a head with one: false, so every engine serves the head (BENCHMARKS.md measures the cost)
+    fc_bias: bool = False
+    # EAGLE-3.1 (arXiv 2605.09992; eagle3 heads): an RMSNorm on each fused target layer before fc, and the normed
+    # output fed to the next draft step. vLLM serves both (`fc_norm`, `norm_output` in the speculators format).
+    fc_norm: bool = False
+    norm_output: bool = False
     # Draft over the n most frequent assistant tokens of the training rows (0: the whole vocabulary). Cuts the
     # lm_head cost of both training and drafting.
     draft_vocab: int = 0
@@ -193,6 +198,9 @@ def check_config(cfg: TrainConfig) -> None:
                          f"{cfg.loss.ce_target!r} does not apply (leave it p)")
     if cfg.loss.positions not in ("assistant", "all"):
         raise TrainError(f"loss.positions {cfg.loss.positions!r}: expected assistant or all")
+    if (cfg.model.fc_norm or cfg.model.norm_output) and cfg.model.head_type != "eagle3":
+        raise TrainError("model.fc_norm / model.norm_output (EAGLE-3.1) are options of eagle3 heads: set "
+                         "model.head_type=eagle3")
     if cfg.model.num_layers < 1 or (cfg.model.head_type == "eagle3" and cfg.model.num_layers != 1):
         raise TrainError(f"model.num_layers {cfg.model.num_layers}: expected >= 1 for eagle1 heads, 1 for eagle3")
     if not 0.0 < cfg.loss.unroll_fraction <= 1.0:

@@ -130,7 +130,8 @@ def new_head(cfg: TrainConfig, target: TargetModel, data: TrainData, device, dty
                              cfg.model.vocab_counts, cfg.model.vocab_count_rows)
     shape = {"num_layers": cfg.model.num_layers, "fc_bias": cfg.model.fc_bias}
     if data.layers is not None:
-        shape.update(head_type="eagle3", feature_layer_ids=data.layers)
+        shape.update(head_type="eagle3", feature_layer_ids=data.layers, fc_bias=False, fc_norm=cfg.model.fc_norm,
+                     norm_output=cfg.model.norm_output)
     hcfg = HeadConfig.for_target(target, draft_vocab_size=0 if vocab is None else vocab.shape[0], **shape)
     head = make_head(hcfg).to(device=device, dtype=dtype).attach(target)
     if vocab is not None:
