@@ -321,11 +321,7 @@ def run_vllm_rows(args, target, head, prompts, dec, out_dir: Path) -> dict:
         raise SystemExit(f"--vllm: {why}")
     target_dir = vllm_check.write_target_dir(load_target(args.target), out_dir / "target-hf")
     export_dir = out_dir / "head-vllm"
-    if export_dir.exists():
-        import shutil
-
-        shutil.rmtree(export_dir)  # written by this script
-    export_published(head, export_dir, "vllm")
+    export_published(head, export_dir, "vllm")  # an earlier export there is replaced whole
     ids = [dec.encode(p["prompt"]) for p in prompts]
     method = "eagle3" if head.config.head_type == "eagle3" else "eagle"
     stop = list(target.eos_ids)

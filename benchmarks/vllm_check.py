@@ -102,11 +102,7 @@ def export(draft: str, fmt: str, out: Path, allow_lossy: bool) -> tuple[Path, st
     from eagle import EagleHead
     from eagle.interop import export_published, export_speculators
 
-    head = EagleHead.from_pretrained(draft)
-    if out.exists():
-        import shutil
-
-        shutil.rmtree(out)  # written by this script under --out
+    head = EagleHead.from_pretrained(draft)  # an earlier export in `out` is replaced whole; anything else refused
     if fmt == "speculators":
         export_speculators(head, out, allow_lossy=allow_lossy)
     else:

@@ -130,6 +130,12 @@ class ExportError(ValueError):
     """An export the engine would load with a loss, refused before anything is written."""
 
 
+def _float32_state(head) -> dict[str, torch.Tensor]:
+    """The head's weights as the published layouts hold them: float32 (maps stay integer), on the CPU."""
+    return {k: (v.float() if v.is_floating_point() else v).detach().contiguous().cpu()
+            for k, v in head.trainable_state_dict().items()}
+
+
 def _common_raw(c: HeadConfig) -> dict:
     """The Llama-style config keys every layout shares (each one's meaning in vLLM and SGLang is the Llama
     config's; `eagle.contracts` has a rule for the keys that change what they build)."""
@@ -186,8 +192,7 @@ def export_published(head, out, engine: str = "vllm", allow_lossy: bool = False)
     would run differently from the head raises ExportError unless `allow_lossy`; returns notes (what an engine
     does differently without losing a weight, and with `allow_lossy` what was lost)."""
     c, losses, notes = head.config, [], []
-    state = {k: (v.float() if v.is_floating_point() else v).detach().contiguous().cpu()
-             for k, v in head.trainable_state_dict().items()}
+    state = _float32_state(head)
     raw = _common_raw(c)
     if c.head_type == "eagle3":
         out_state = _eagle3_state(state, c, "midlayer.")
@@ -234,9 +239,7 @@ def export_speculators(head, out, allow_lossy: bool = False, verifier: str = "",
     if any(i < 0 for i in c.feature_layer_ids):
         losses.append(f"feature_layer_ids {c.feature_layer_ids} count from the end and servers read them from the "
                       "start: train with feature_layer_ids from the start")
-    state = {k: (v.float() if v.is_floating_point() else v).detach().contiguous().cpu()
-             for k, v in head.trainable_state_dict().items()}
-    out_state = _eagle3_state(state, c, "layers.0.")
+    out_state = _eagle3_state(_float32_state(head), c, "layers.0.")
     layer = {**_common_raw(c), "architectures": ["LlamaForCausalLM"], "num_hidden_layers": 1}
     raw = {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
            "speculators_version": "0.3.0", "transformer_layer_config": layer, **_eagle3_keys(c),
