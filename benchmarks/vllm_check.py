@@ -63,8 +63,9 @@ def run_vllm(target_dir: Path, prompts: list[list[int]], max_new_tokens: int, st
                                    "speculative_config": speculative_config, "max_model_len": max_model_len}))
         r = subprocess.run([str(VLLM_PYTHON), str(ROOT / "benchmarks" / "vllm_run.py"), str(req), str(res)],
                            env=vllm_env(threads), capture_output=True, text=True)
-        if r.returncode != 0 or not res.exists():
-            tail = "\n".join((r.stdout + r.stderr).strip().splitlines()[-25:])
+        if r.returncode != 0 or not res.exists():  # the engine process's own error comes before the client's
+            lines = (r.stdout + r.stderr).strip().splitlines()
+            tail = "\n".join([line for line in lines if "Error" in line][:10] + lines[-15:])
             raise RuntimeError(f"vLLM failed (exit {r.returncode}) with {speculative_config}:\n{tail}")
         return json.loads(res.read_text())
 
