@@ -39,7 +39,6 @@ import math
 import os
 import platform
 import re
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -54,7 +53,7 @@ from eagle import EagleHead, load_target
 from eagle.llamacpp import export_llamacpp
 from eagle.target import resolve_target
 from infer import SpeculativeDecoder
-from infer.evaluate import load_prompts
+from infer.evaluate import load_prompts, median_spread
 
 EVAL = Path(__file__).resolve().parents[1].parent / "shared" / "evaldata"
 ROWS = ("hf_generate", "hf_prompt_lookup", "llamacpp_plain", "llamacpp_eagle3", "llamacpp_ngram", "ours_plain",
@@ -281,10 +280,9 @@ def main() -> None:
     for name in rows_run:
         st = stats[name]
         tps = st["tokens"] / st["seconds"]
-        ratios = sorted(a / b for a, b in zip(st["per_prompt_tps"], base) if b > 0)
-        q = statistics.quantiles(ratios, n=4, method="inclusive") if len(ratios) > 1 else ratios * 3
-        rows[name] = {"tokens_per_s": round(tps, 1), "vs_llamacpp_plain": round(statistics.median(ratios), 2),
-                      "vs_llamacpp_plain_quartiles": [round(q[0], 2), round(q[2], 2)],
+        median, q = median_spread([a / b for a, b in zip(st["per_prompt_tps"], base) if b > 0])
+        rows[name] = {"tokens_per_s": round(tps, 1), "vs_llamacpp_plain": round(median, 2),
+                      "vs_llamacpp_plain_quartiles": [round(q[0], 2), round(q[1], 2)],
                       "tau": round(st["emitted"] / st["rounds"], 2) if st["rounds"] else None,
                       "exact_match": round(st["same"] / len(prompts), 3)}
     result["rows"] = rows

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -90,12 +89,12 @@ def per_position(accepted_per_position: list[int], drafts: int, k: int) -> list[
 
 def speed(tokens: list[int], seconds: list[float], base_tokens: list[int], base_seconds: list[float]) -> dict:
     """Tokens/s over all prompts, and the median (with quartiles) of per-prompt ratios to the baseline."""
-    ratios = sorted((t / s) / (bt / bs) for t, s, bt, bs in zip(tokens, seconds, base_tokens, base_seconds)
-                    if s > 0 and bs > 0 and bt > 0)
-    q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
-    return {"tokens_per_s": round(sum(tokens) / sum(seconds), 2),
-            "speedup": round(statistics.median(ratios), 3) if ratios else None,
-            "speedup_quartiles": [round(q[0], 3), round(q[2], 3)] if ratios else None}
+    from infer.evaluate import median_spread
+
+    median, q = median_spread([(t / s) / (bt / bs) for t, s, bt, bs in zip(tokens, seconds, base_tokens, base_seconds)
+                               if s > 0 and bs > 0 and bt > 0])
+    return {"tokens_per_s": round(sum(tokens) / sum(seconds), 2), "speedup": round(median, 3),
+            "speedup_quartiles": [round(q[0], 3), round(q[1], 3)]}
 
 
 def export(draft: str, fmt: str, out: Path, allow_lossy: bool) -> tuple[Path, str]:

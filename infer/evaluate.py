@@ -133,7 +133,11 @@ def speedup_spread(pairs: list[tuple[GenerateOutput, GenerateOutput]]) -> tuple[
     """The median over prompts of speculative tokens/s over plain tokens/s, each prompt's two runs back to back,
     and its quartiles: a job that takes the cores for a while moves a few prompts' ratios, not the median (an
     aggregate over prompts reported 2.56x for a head that ran at 0.74-1.09x)."""
-    ratios = sorted(s.tokens_per_s / b.tokens_per_s for b, s in pairs if b.tokens_per_s and s.tokens_per_s)
+    return median_spread([s.tokens_per_s / b.tokens_per_s for b, s in pairs if b.tokens_per_s and s.tokens_per_s])
+
+
+def median_spread(ratios: list[float]) -> tuple[float, list[float]]:
+    """(median, [first quartile, third quartile]) of per-prompt ratios; (0, [0, 0]) for none."""
     if not ratios:
         return 0.0, [0.0, 0.0]
     q = statistics.quantiles(ratios, n=4, method="inclusive") if len(ratios) > 1 else ratios * 3
