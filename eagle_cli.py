@@ -120,7 +120,8 @@ def cmd_export(args) -> None:
     head = EagleHead.from_pretrained(args.draft)
     if args.format == "speculators":
         notes = export_speculators(head, args.out, args.allow_lossy, verifier=args.target or "")
-        engine, layout = "vllm", "the speculators format: `vllm serve` loads it as a speculator model"
+        engine, layout = "vllm", ("the speculators format: `vllm serve OUT` loads it as a speculator model; as "
+                                   "speculative_config's model, name method eagle3")
     else:
         notes = export_published(head, args.out, args.engine, args.allow_lossy)
         engine, layout = args.engine, "the published EAGLE layout that vLLM and SGLang load"

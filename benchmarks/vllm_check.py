@@ -5,8 +5,11 @@
         --format hf --format speculators --num-prompts 16
 
 For every head and format the head is exported (`eagle export`, the same code; `--allow-lossy` passes that flag on)
-and served by vLLM's offline `LLM` with `speculative_config={"method": "eagle"|"eagle3", "model": EXPORT,
-"num_speculative_tokens": K}` (a speculators-format export names its method itself), each prompt alone, greedy.
+and served by vLLM's offline `LLM`, each prompt alone, greedy: a published-layout (`hf`) export as
+`LLM(TARGET, speculative_config={"method": "eagle"|"eagle3", "model": EXPORT, "num_speculative_tokens": K})`, a
+speculators export as vLLM serves that format, `LLM(EXPORT, speculative_config={"num_speculative_tokens": K})`: the
+export names its method and its verifier (the target directory here). Handed to `speculative_config["model"]`
+without a method, vLLM 0.32.0 would take it for a draft model unless its path says "eagle3" (docs/serving.md).
 The same prompts (`--data`, spread over the file, formatted by the target's chat template) are decoded by
 transformers' greedy `generate` (the reference), by our plain decoder and by ours with each head as a chain of K.
 Rows: tau (tokens a target pass yields), acceptance per draft position (fraction of rounds reaching it), tokens/s
@@ -52,12 +55,13 @@ def vllm_env(threads: int) -> dict:
     return env
 
 
-def run_vllm(target_dir: Path, prompts: list[list[int]], max_new_tokens: int, stop_ids: list[int],
+def run_vllm(model_dir: Path, prompts: list[list[int]], max_new_tokens: int, stop_ids: list[int],
              speculative_config: dict | None, threads: int, max_model_len: int = 2048) -> dict:
-    """vllm_run.py's RESULT for one engine (plain when `speculative_config` is None)."""
+    """vllm_run.py's RESULT for one engine serving `model_dir` (the target, or a speculators export naming it;
+    plain when `speculative_config` is None)."""
     with tempfile.TemporaryDirectory() as tmp:
         req, res = Path(tmp) / "request.json", Path(tmp) / "result.json"
-        req.write_text(json.dumps({"target": str(target_dir), "dtype": "float32", "prompts": prompts,
+        req.write_text(json.dumps({"target": str(model_dir), "dtype": "float32", "prompts": prompts,
                                    "max_new_tokens": max_new_tokens, "stop_token_ids": stop_ids,
                                    "speculative_config": speculative_config, "max_model_len": max_model_len}))
         r = subprocess.run([str(VLLM_PYTHON), str(ROOT / "benchmarks" / "vllm_run.py"), str(req), str(res)],
@@ -97,14 +101,14 @@ def speed(tokens: list[int], seconds: list[float], base_tokens: list[int], base_
             "speedup_quartiles": [round(q[0], 3), round(q[1], 3)]}
 
 
-def export(draft: str, fmt: str, out: Path, allow_lossy: bool) -> tuple[Path, str]:
-    """(export directory, vLLM method) of a head in `fmt` (hf or speculators) for vLLM."""
+def export(draft: str, fmt: str, out: Path, allow_lossy: bool, verifier: Path) -> tuple[Path, str]:
+    """(export directory, vLLM method) of a head in `fmt` (hf or speculators, naming `verifier`) for vLLM."""
     from eagle import EagleHead
     from eagle.interop import export_published, export_speculators
 
     head = EagleHead.from_pretrained(draft)  # an earlier export in `out` is replaced whole; anything else refused
     if fmt == "speculators":
-        export_speculators(head, out, allow_lossy=allow_lossy)
+        export_speculators(head, out, allow_lossy=allow_lossy, verifier=str(verifier.resolve()))
     else:
         export_published(head, out, "vllm", allow_lossy=allow_lossy)
     return out, "eagle3" if head.config.head_type == "eagle3" else "eagle"
@@ -176,15 +180,16 @@ def main() -> None:
         print(f"ours {name}: {ours_row}", flush=True)
         for fmt in args.format or ["hf"]:
             try:
-                export_dir, method = export(draft, fmt, out / f"{name}-{fmt}", args.allow_lossy)
+                export_dir, method = export(draft, fmt, out / f"{name}-{fmt}", args.allow_lossy, target_dir)
             except ValueError as e:  # refused: the refusal is the row
                 result["rows"][f"vllm_head {name} {fmt}"] = {"refused": str(e)}
                 print(f"vLLM {name} {fmt}: refused: {e}", flush=True)
                 continue
-            spec = {"model": str(export_dir), "num_speculative_tokens": k}
             if fmt == "hf":
-                spec["method"] = method
-            v = run_vllm(target_dir, prompts, n, stop, spec, args.threads)
+                served, spec = target_dir, {"method": method, "model": str(export_dir), "num_speculative_tokens": k}
+            else:  # the format's own way: the export is the model, its verifier the target
+                served, spec = export_dir, {"num_speculative_tokens": k}
+            v = run_vllm(served, prompts, n, stop, spec, args.threads)
             pos = per_position(v["accepted_per_position"], v["drafts"], k)
             row = {"tau": round((v["accepted"] + v["drafts"]) / max(v["drafts"], 1), 4),
                    "acceptance_per_position": [round(a, 4) for a in pos],

@@ -2,13 +2,13 @@
 
     .venv-vllm/bin/python benchmarks/vllm_run.py REQUEST.json RESULT.json
 
-REQUEST: {"target": HF directory, "dtype": "float32", "prompts": [[token ids], ...], "max_new_tokens": N,
-"stop_token_ids": [...], "speculative_config": null or vLLM's dict (method, model, num_speculative_tokens),
-"max_model_len": 2048}. Each prompt is generated alone (batch 1, as ours decode), greedy, after one unmeasured
-warm-up prompt. RESULT: {"token_ids": [[...]], "seconds": [...], "drafts", "draft_tokens", "accepted",
-"accepted_per_position": [...], "per_prompt": [the same counters for each prompt], "vllm": version}: vLLM's own
-`vllm:spec_decode_*` metrics (as its offline example reads them), summed over the measured prompts. Imports nothing of this project: the two
-virtual environments hold different transformers.
+REQUEST: {"target": HF directory (or a speculators export, which names its verifier), "dtype": "float32",
+"prompts": [[token ids], ...], "max_new_tokens": N, "stop_token_ids": [...], "speculative_config": null or vLLM's
+dict (method, model, num_speculative_tokens), "max_model_len": 2048}. Each prompt is generated alone (batch 1, as
+ours decode), greedy, after one unmeasured warm-up prompt. RESULT: {"token_ids": [[...]], "seconds": [...],
+"drafts", "draft_tokens", "accepted", "accepted_per_position": [...], "per_prompt": [the same counters for each
+prompt], "vllm": version}: vLLM's own `vllm:spec_decode_*` metrics (as its offline example reads them), summed over
+the measured prompts. Imports nothing of this project: the two virtual environments hold different transformers.
 """
 
 from __future__ import annotations
