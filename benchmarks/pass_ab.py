@@ -84,20 +84,22 @@ def kernels_of(module):
 
 
 def use_kernels_of(module, model: torch.nn.Module) -> None:
-    """This tree's patches off `model`, and the C attention (this tree's `cpu_backend.attention`) on, calling the
-    kernels module that fast path `module` calls. (This tree's fast path switches that attention on itself; one from
-    before cpu_backend/ left it to the decoder.)"""
+    """Every fast path's modules off `model` (this tree's backend classes, a revision's patched forwards), and the C
+    attention (this tree's `cpu_backend.attention`) on, calling the kernels module that fast path `module` calls.
+    (This tree's fast path switches that attention on itself; one from before cpu_backend/ left it to the
+    decoder.)"""
+    module.disable_fast_linear(model)
     fastpath.disable_fast_linear(model)
     cpu_attention.kernels = kernels_of(module)
     cpu_attention.use(model, True)
 
 
 def unfuse(model: torch.nn.Module, layers: bool) -> None:
-    """Drop the one-call stack of all layers (the base model's forward) and, with `layers`, the one-call decoder layer
-    forwards too (keeping every other patch: the layers run their patched parts)."""
+    """Give the one-call stack of all layers (the base model) its stock class again and, with `layers`, the one-call
+    decoder layers too (keeping every other backend module: the layers run their backend parts)."""
     for mod in model.modules():
-        if "_fast_module" in mod.__dict__ and ("_stack_rows" in mod.__dict__ or layers and hasattr(mod, "self_attn")):
-            del mod.forward, mod._fast_module
+        if isinstance(mod, fastpath.FusedStack) or layers and isinstance(mod, fastpath.FusedLayer):
+            mod.to_stock()
 
 
 def main() -> None:

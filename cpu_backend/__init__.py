@@ -8,11 +8,13 @@ never imports this package; `infer`, `train` and `data_prep` reach it through th
     cpu_backend.enable(head, drafts=True)      # the head's layers too, its own weights in low precision
     ...
     cpu_backend.disable(head)
-    cpu_backend.disable(target.model)          # the stock forwards again
+    cpu_backend.disable(target.model)          # the stock classes again
 
-Enabling patches the forwards of that model instance only: every `nn.Linear` takes the layout measured fastest on
-this machine (the C kernel's packed products, or torch's); RMS norms, gated MLPs, Llama-style attention and whole
-decoder layers run in C where a check on random inputs shows they compute what the stock module computes. Every
+Enabling gives that model's modules the backend's own classes (`cpu_backend.modules`: the same objects, parameters
+and names, each with its plan in `cpu_plan`): every `nn.Linear` a PackedLinear that takes the layout measured fastest
+on this machine (the C kernel's packed products, or torch's); RMS norms, gated MLPs, Llama-style attention, whole
+decoder layers and all the layers of a base model KernelNorm, KernelMLP, KernelAttention, FusedLayer and FusedStack,
+in C where a check on random inputs shows they compute what the stock module computes. Every
 output row is computed alone, so a verification pass gives each token the bits a one-token step gives it. Besides,
 the decoder takes greedy tokens through `Screen` (an int8 screen of the lm_head that gives the argmax of the
 kernel's logits bit for bit), greedy head drafts through `greedy_chain`, and KV compaction through `compact_kv`.
@@ -64,10 +66,11 @@ _with_codes: weakref.WeakSet = weakref.WeakSet()  # models whose GGUF K-quant co
 
 def enable(model: nn.Module, *, plan: fastpath.Plan | None = None, run=None, gguf: Path | None = None,
            drafts: bool = False) -> fastpath.Plan:
-    """Patch `model` (this instance): layouts from `plan`, else the cached or a fresh calibration (timing whole
-    passes with `run(rows) -> seconds` when given: a few seconds once per machine); the K-quant codes of the GGUF
-    file it was loaded from (`gguf`) read for the kernels; an EAGLE head's layers in C, and with `drafts` its own
-    weights (not the target's lm_head and embedding it borrows) multiplied in int8 or bfloat16 while drafting."""
+    """The backend's classes for `model`'s modules (these objects): layouts from `plan`, else the cached or a fresh
+    calibration (timing whole passes with `run(rows) -> seconds` when given: a few seconds once per machine); the
+    K-quant codes of the GGUF file it was loaded from (`gguf`) read for the kernels; an EAGLE head's layers in C,
+    and with `drafts` its own weights (not the target's lm_head and embedding it borrows) multiplied in int8 or
+    bfloat16 while drafting."""
     if gguf is not None and model not in _with_codes:
         try:
             gguf_codes.attach(model, gguf)
@@ -82,7 +85,7 @@ def enable(model: nn.Module, *, plan: fastpath.Plan | None = None, run=None, ggu
 
 
 def disable(model: nn.Module) -> None:
-    """The stock forwards of `model` again, and the memory of the kernels' copies of its weights."""
+    """The stock classes of `model`'s modules again, and the memory of the kernels' copies of its weights."""
     if isinstance(model, EagleHead):
         kernels.draft_precision(_own_weights(model), False)
         draft.unpatch(model)
@@ -99,14 +102,14 @@ def _own_weights(head: EagleHead) -> list[torch.Tensor]:
 
 
 def plan_training(model: nn.Module, rows: int) -> list[str]:
-    """For training on the CPU: the patched `model`'s products where gradients are wanted through the packed kernel
+    """For training on the CPU: the enabled `model`'s products where gradients are wanted through the packed kernel
     or torch's, whichever was measured faster here for `rows` rows; returns the weight shapes left to torch."""
     timings = fastpath.plan_training(model, rows)
     return sorted(k for k, t in timings.items() if t["kernel"] >= t["linear"])
 
 
 class Screen:
-    """Greedy tokens of the products with `weight` in the layout of the patched linear layer `layer` (an lm_head,
+    """Greedy tokens of the products with `weight` in the layout of the PackedLinear `layer` (an lm_head,
     or an EAGLE-1/2 head's rows of it), through the int8 screen: the argmax of the kernel's logits, bit for bit."""
 
     def __init__(self, layer: nn.Module, weight: torch.Tensor):

@@ -8,6 +8,8 @@ attention is `sdpa` or `gqa_sdpa` to this one (`IMPLEMENTATION`), `use(model, Fa
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from cpu_backend import kernels
@@ -45,6 +47,9 @@ def cpu_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=Non
                     **kwargs)
 
 
+_before: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> the attention `use` switched it from
+
+
 def use(model, on: bool) -> bool:
     """Switch a transformers model from `sdpa` or `gqa_sdpa` to this attention (on), or back to the one it had (off;
     eager or flash attention are left alone). Returns whether the model uses this attention now."""
@@ -55,8 +60,8 @@ def use(model, on: bool) -> bool:
         if not _registered:
             register(IMPLEMENTATION, cpu_sdpa)
             _registered = True
-        model._eagle_attention_before = current
+        _before[model] = current
         model.set_attn_implementation(IMPLEMENTATION)
     elif not on and current == IMPLEMENTATION:
-        model.set_attn_implementation(model.__dict__.pop("_eagle_attention_before", "sdpa"))
+        model.set_attn_implementation(_before.pop(model, "sdpa"))
     return config._attn_implementation == IMPLEMENTATION

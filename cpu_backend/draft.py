@@ -1,12 +1,12 @@
-"""An EAGLE head's drafting on the CPU: its layers in C (patched onto the head's modules by `patch`), and greedy
-drafting steps that make the same C calls without the modules' Python (`GreedySteps`).
+"""An EAGLE head's drafting on the CPU: its layers in C (the backend classes `patch` gives the head and its modules),
+and greedy drafting steps that make the same C calls without the modules' Python (`GreedySteps`).
 
-`patch(head)` gives the head's attention modules a forward with the rotary embedding and the attention in C
-(`kernels.rope_`, `kernels.attend`: grouped key / value heads read in place), each EAGLE-1/2 decoder layer a forward
-that runs the whole layer in one C call (`kernels.decoder_layer`: the same norms, products, rotary embedding and
-attention), and the head's target logits (an EAGLE-1/2 head's draft logits) the product in the layout of the
-target's patched lm_head (`fastpath.linear_as`); each only where it fits (inference on the CPU in float32, a few
-rows), else the module's own forward. `unpatch(head)` takes them off.
+`patch(head)` gives the head's attention modules the class `HeadAttention` (the rotary embedding and the attention in
+C: `kernels.rope_`, `kernels.attend`, grouped key / value heads read in place), each EAGLE-1/2 decoder layer
+`HeadLayer` (the whole layer in one C call, `kernels.decoder_layer`: the same norms, products, rotary embedding and
+attention), and the head `DraftingHead` (its target logits, an EAGLE-1/2 head's draft logits, in the layout of the
+target's lm_head, a PackedLinear: `fastpath.linear_as`); each runs its C only where it fits (inference on the CPU
+in float32, a few rows), else the stock class's forward. `unpatch(head)` gives the stock classes back.
 
 A greedy step reads T new (feature, token) pairs into the head's cache and gives the draft screen's argmax after the
 last one. Through the modules (`EagleHead.forward` with each decoder layer in one C call, then
@@ -27,13 +27,13 @@ settings (`kernels.AMX`, ...) change.
 from __future__ import annotations
 
 import ctypes
-import types
 
 import torch
 
 from cpu_backend import kernels
 from cpu_backend.attention import MAX_ROWS
-from cpu_backend.fastpath import kernel_rows, linear_as
+from cpu_backend.fastpath import PackedLinear, kernel_rows, linear_as
+from cpu_backend.modules import BackendModule
 from eagle import head as head_module
 from eagle.head import Attention, DecoderLayer, EagleHead
 
@@ -46,10 +46,31 @@ def kernel_fits(x: torch.Tensor, head_dim: int) -> bool:
             and x.shape[1] <= MAX_ROWS and head_dim % 8 == 0 and head_dim <= 1024 and kernels.available())
 
 
-def _attention_forward(self: Attention, x, cos, sin, cache, layer: int, mask):
+class HeadAttention(BackendModule):
+    """A head's `Attention` with the rotary embedding and the attention in C."""
+
+    def forward(self, x, cos, sin, cache, layer: int, mask):
+        return _attention_forward(self, x, cos, sin, cache, layer, mask)
+
+
+class HeadLayer(BackendModule):
+    """An EAGLE-1/2 head's `DecoderLayer` in one C call where it fits."""
+
+    def forward(self, x, cos, sin, cache, layer: int, mask):
+        return _layer_forward(self, x, cos, sin, cache, layer, mask)
+
+
+class DraftingHead(BackendModule):
+    """An EAGLE head whose target logits (its draft logits, EAGLE-1/2) take the layout of the target's lm_head."""
+
+    def target_logits(self, features: torch.Tensor) -> torch.Tensor:
+        return self.cap(linear_as(self.lm_head, features, self.draft_lm_weight))
+
+
+def _attention_forward(self: HeadAttention, x, cos, sin, cache, layer: int, mask):
     """`Attention.forward` with the rotary embedding and the attention in C."""
     if not kernel_fits(x, self.hd):
-        return type(self).forward(self, x, cos, sin, cache, layer, mask)
+        return self.stock_forward(x, cos, sin, cache, layer, mask)
     B, T, _ = x.shape
     q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
     q = kernels.rope_(q.contiguous(), cos[:, 0], sin[:, 0], self.hd)  # cos / sin [B, 1, T, D]
@@ -66,7 +87,7 @@ def _layer_forward(self: DecoderLayer, x, cos, sin, cache, layer: int, mask):
     attn, norm1, norm2, mlp = self.self_attn, self.input_layernorm, self.post_attention_layernorm, self.mlp
     dropping = self.training and self.dropout.p  # the C call has no dropout: a training-mode head keeps its own
     if dropping or not (LAYER_IN_ONE_CALL and cache is not None and x.shape[0] == 1 and kernel_fits(x, attn.hd)):
-        return type(self).forward(self, x, cos, sin, cache, layer, mask)
+        return self.stock_forward(x, cos, sin, cache, layer, mask)
     T, past = x.shape[1], cache.length
     k_buf, v_buf = cache.buffers(layer, x, (1, attn.nkv), attn.hd, past, past + T)
     if mask is None and T > 1:
@@ -82,24 +103,23 @@ def _layer_forward(self: DecoderLayer, x, cos, sin, cache, layer: int, mask):
         cos[:, 0], sin[:, 0], k_buf, v_buf, past, mask, attn.hd ** -0.5)
 
 
-def _target_logits(self: EagleHead, features: torch.Tensor) -> torch.Tensor:
-    """`EagleHead.target_logits` in the layout of the target's patched lm_head."""
-    return self.cap(linear_as(self.lm_head, features, self.draft_lm_weight))
-
-
 def patch(head: EagleHead) -> None:
-    """The C forwards above on `head`'s modules (this instance only)."""
-    for mod in head.modules():
-        forward = (_attention_forward if isinstance(mod, Attention)
-                   else _layer_forward if type(mod) is DecoderLayer else None)
-        if forward is not None:
-            mod.forward = types.MethodType(forward, mod)
-            mod._fast_module = True  # `fastpath.disable_fast_linear` takes it off with the rest
-    head.target_logits = types.MethodType(_target_logits, head)
+    """The classes above for `head` and its modules (these objects only)."""
+    for mod in list(head.modules()):
+        if isinstance(mod, Attention) and not isinstance(mod, BackendModule):
+            HeadAttention.from_stock(mod, None)
+        elif type(mod) is DecoderLayer:
+            HeadLayer.from_stock(mod, None)
+    if not isinstance(head, DraftingHead):
+        DraftingHead.from_stock(head, None)
 
 
 def unpatch(head: EagleHead) -> None:
-    head.__dict__.pop("target_logits", None)  # the modules' forwards go with `fastpath.disable_fast_linear`
+    """The stock classes of the head and its modules again (`fastpath.disable_fast_linear` does the same for every
+    backend module, these included)."""
+    for mod in list(head.modules()):
+        if isinstance(mod, (HeadAttention, HeadLayer, DraftingHead)):
+            mod.to_stock()
 
 
 class GreedySteps:
@@ -111,31 +131,28 @@ class GreedySteps:
         self.hidden, self.heads, self.kv_heads, self.head_dim = cfg.hidden_size, first.nh, first.nkv, first.hd
         self.rope_key = (cfg.head_dim, cfg.rope_theta, torch.float32, torch.device("cpu"))
         self.fc = (kernels.packed(head.fc.weight), None if head.fc.bias is None else head.fc.bias.data_ptr())
-        # per layer, `decoder_layer`'s weight arguments: input norm (None for a head's first layer), its eps,
-        # post-attention norm, eps, (weight, bias) of q, k, v and o, gate, up, down, the intermediate size
+        # per layer, `decoder_layer`'s LayerArgs (the cache buffers set at `_cache_buffers`) and its address
         self.layers = []
         for layer in head.layers:
             attn, mlp, n1, n2 = layer.self_attn, layer.mlp, layer.input_layernorm, layer.post_attention_layernorm
-            projs = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj)
-            self.layers.append((None if n1 is None else n1.weight.data_ptr(), n1.eps if n1 else 0.0,
-                                n2.weight.data_ptr(), n2.eps,
-                                *(a for p in projs for a in (kernels.packed(p.weight),
-                                                             None if p.bias is None else p.bias.data_ptr())),
-                                kernels.packed(mlp.gate_proj.weight), kernels.packed(mlp.up_proj.weight),
-                                kernels.packed(mlp.down_proj.weight), mlp.gate_proj.weight.shape[0]))
+            projs = tuple(t for p in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj) for t in (p.weight, p.bias))
+            self.layers.append(kernels.layer_args(
+                projs, (None if n1 is None else n1.weight, n1.eps if n1 else 0.0, n2.weight, n2.eps),
+                (mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)))
+        self.at_layers = [ctypes.addressof(a) for a in self.layers]
         w = self.screen_weight = head.draft_lm_weight
         self.screen = (*kernels.screen_weight_args(kernels.screen_tables(w)), w.data_ptr())
         self.d2t = head.d2t.tolist() if cfg.draft_vocab_size else None
         # the kernels' copies behind those addresses, held so that a copy made again (a weight changed in place,
         # then multiplied through the modules) cannot free one these steps still read
         weights = [head.fc.weight, *(m.weight for m in head.layers.modules() if isinstance(m, torch.nn.Linear)), w]
-        self.copies = [v for t in weights for k, v in t.__dict__.items() if k.startswith("_eagle_")]
+        self.copies = [dict(kernels.layouts(t).made) for t in weights]
         emb = head.embed_tokens
         # a plain embedding table is read with torch.embedding itself (what its module calls), else the module
         self.table = emb.weight if type(emb) is torch.nn.Embedding and emb.max_norm is None else None
         self.scale, self.vocab = self.head_dim ** -0.5, w.shape[0]
         # the buffers, and their addresses: each torch view or attribute costs microseconds in a drafting round
-        H, rows, inter = self.hidden, self.max_rows, max(layer[-1] for layer in self.layers)
+        H, rows, inter = self.hidden, self.max_rows, max(layer.inter for layer in self.layers)
         self.x = torch.empty(rows, 2 * H)                   # fc's input: embedding rows, then the features
         self.x_rows = [self.x[:t] for t in range(rows + 1)]
         self.y = torch.empty(3, rows, H)                    # fc's output, then the layers' in turn
@@ -163,7 +180,7 @@ class GreedySteps:
             return None
         w = head.draft_lm_weight
         with torch.inference_mode():  # the draft precision holds only where no gradient is recorded
-            fits = ("_fast_by_rows" in head.fc.__dict__ and kernels.in_draft_precision(head.fc.weight)
+            fits = (isinstance(head.fc, PackedLinear) and kernels.in_draft_precision(head.fc.weight)
                     and w is not None and w.dtype == torch.float32 and kernels.supports(w)
                     and kernel_rows(head.lm_head, 1) and kernels.screen_tables(w) is not None
                     and all(kernels.supports(m.weight) for m in head.layers.modules()
@@ -208,11 +225,10 @@ class GreedySteps:
         if cache is not self.kv[0] or start + T > self.kv[1] or (cache.k and cache.k[0] is not self.kv[3]):
             self._cache_buffers(cache, start, start + T)
         src = 0
-        for (n1, e1, n2, e2, *projs, gate, up, down, inter), (k, v, k_sh) in zip(self.layers, self.kv[2]):
+        for layer in self.at_layers:
             dst = 2 if src == 1 else 1  # y[1] and y[2] in turn
-            lib.decoder_layer(self.at_y[src], T, H, n1, e1, n2, e2, None, 0.0, None, 0.0, *projs, None, None, 0.0,
-                              self.heads, self.kv_heads, self.head_dim, cos, sin, k, v, k_sh, start, mask, kind,
-                              row_stride, self.scale, gate, up, down, inter, 0, self.at_work, self.at_y[dst], threads)
+            lib.decoder_layer(self.at_y[src], T, H, layer, self.heads, self.kv_heads, self.head_dim, cos, sin, start,
+                              mask, kind, row_stride, self.scale, self.at_work, self.at_y[dst], threads)
             src = dst
         self.last = src
         cache.length = start + T
@@ -229,8 +245,9 @@ class GreedySteps:
         their addresses."""
         bufs = [cache.buffers(i, self.y, (1, self.kv_heads), self.head_dim, start, end)
                 for i in range(len(self.layers))]
-        self.kv = (cache, bufs[0][0].shape[2], [(k.data_ptr(), v.data_ptr(), k.stride(1)) for k, v in bufs],
-                   bufs[0][0])
+        for args, (k, v) in zip(self.layers, bufs):
+            args.k_cache, args.v_cache, args.kv_sh = k.data_ptr(), v.data_ptr(), k.stride(1)
+        self.kv = (cache, bufs[0][0].shape[2], bufs, bufs[0][0])
 
     def _causal(self, keys: int) -> int:
         """Address c such that, read from c - start - 1 with a row stride of -1, the strip is the causal mask of

@@ -10,28 +10,30 @@ where `F.linear` took 52 ms for one). Which layout wins depends on the shape, th
 so `calibrate` times them all and keeps the fastest: over whole forward passes when it is given a function that
 runs one (the decoder does), else over all weights of each shape in a cold sweep.
 
-    enable_fast_linear(target.model)    # patches the forward of every nn.Linear, on this instance only
+    enable_fast_linear(target.model)    # every nn.Linear a PackedLinear (the same object), and the rest below
     ...
-    disable_fast_linear(target.model)   # the stock forwards again
+    disable_fast_linear(target.model)   # the stock classes again
 
-With the kernel available, `enable_fast_linear` also routes RMS norms and gated (SiLU) MLPs through it, each
-only after checking on a random input that the kernel computes what the module's stock forward computes (so a
-norm that scales by `1 + weight`, or another activation, keeps its stock forward); an MLP uses the gated kernel at
-the row counts where the plan chose the kernel for its gate projection. Llama-style attention modules (q / k / v /
-o projections and nothing else) get a forward that does the same steps with far fewer torch operations (the
-rotary embedding in one C call, the products called directly): on this machine a step's Python and torch
-overhead around the C calls was ~10 ms of ~60 (BENCHMARKS.md). A decoder layer whose two norms, attention and
-MLP are all patched runs in one C call (`kernels.decoder_layer`, bit for bit what its parts compute) for one
-sequence of up to 64 rows with a preallocated cache, after a check with random rows and a cache that it computes
-what the layer's own forward does; an attention module alone likewise (`kernels.attention_block`). A base model
-(Llama-style: embedding, such layers, norm, rotary embedding, full attention) then runs all its layers in one C call
-(`kernels.decoder_stack`) for such passes, after a check that this gives its own forward's numbers bit for bit:
-the Python around 30 layer calls was ~4-5 ms of a ~32 ms SmolLM2 pass (BENCHMARKS.md).
+The backend's classes (`modules.BackendModule`: a subclass made per stock class, the module's plan in `cpu_plan`)
+are defined here. With the kernel available, `enable_fast_linear` also gives RMS norms and gated (SiLU) MLPs theirs
+(KernelNorm, KernelMLP), each only after checking on a random input that the kernel computes what the module's
+stock forward computes (so a norm that scales by `1 + weight`, or another activation, is found so or keeps its
+stock class); an MLP uses the gated kernel at the row counts where the plan chose the kernel for its gate
+projection. Llama-style attention modules (q / k / v / o projections and nothing else, or with q / k norms) become
+KernelAttention: the same steps with far fewer torch operations (the rotary embedding in one C call, the products
+called directly): on this machine a step's Python and torch overhead around the C calls was ~10 ms of ~60
+(BENCHMARKS.md); one sequence of up to 64 rows with a preallocated cache in one C call (`kernels.attention_block`).
+A decoder layer whose norms, attention and MLP are all backend modules becomes FusedLayer, in one C call
+(`kernels.decoder_layer`, bit for bit what its parts compute) for such passes, after a check with random rows and a
+cache that it computes what the layer's own forward does. A base model (Llama-style: embedding, such layers, norm,
+rotary embedding, full attention) then becomes FusedStack, all its layers in one C call (`kernels.decoder_stack`),
+after a check that this gives its own forward's numbers bit for bit: the Python around 30 layer calls was ~4-5 ms
+of a ~32 ms SmolLM2 pass (BENCHMARKS.md).
 
 The plan is cached per machine, thread count, torch version, set of shapes, available layouts and kernel path
 (`kernels.path_key`: the build and the `EAGLE_NO_*` switches) under `$EAGLE_CACHE/fastpath/`;
 `EAGLE_RECALIBRATE=1` measures it again. A plan changes speed only: every layout gives the target's tokens.
-With gradients enabled (training a head) a patched linear layer's products, forward and backward, run through the
+With gradients enabled (training a head) a PackedLinear's products, forward and backward, run through the
 packed kernel too (`train_linear`), or through `F.linear` where `plan_training` measured that faster; norms,
 attention and MLPs keep their stock forwards there. On other devices the stock forward runs. Above `MAX_ROWS`
 rows (a prefill, a regeneration batch) the layout measured for `MAX_ROWS` applies: the packed kernel multiplies
@@ -41,6 +43,7 @@ rounding (the summation order differs).
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import inspect
 import json
@@ -49,7 +52,7 @@ import os
 import platform
 import statistics
 import time
-import types
+import weakref
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -65,6 +68,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from cpu_backend import attention, kernels
 from cpu_backend.attention import IMPLEMENTATION as ATTENTION_IMPLEMENTATION
 from cpu_backend.attention import MAX_ROWS as ATTENTION_ROWS
+from cpu_backend.modules import BackendModule, row_spans
 from eagle.target import PreallocatedLayer, cache_root, preallocated_cache
 
 # row counts measured; a call uses the plan of the smallest bucket >= its rows. Up to 256: batched regeneration
@@ -233,8 +237,9 @@ def plan_training(model: nn.Module, rows: int = 1024, repeats: int = 2) -> dict[
     timings = _cached_json(_plan_path(model, f"train{rows}"),
                            lambda: {key: _time_training(w, rows, repeats) for key, w in weights.items()})
     for mod in _linears(model):
-        t = timings.get(_shape_key(mod.weight))
-        mod._fast_train = t is not None and t["kernel"] < t["linear"]
+        if isinstance(mod, PackedLinear):
+            t = timings.get(_shape_key(mod.weight))
+            mod.cpu_plan.train = t is not None and t["kernel"] < t["linear"]
     return timings
 
 
@@ -276,20 +281,36 @@ def _cached_json(path: str, make: Callable[[], dict]) -> dict:
     return obj
 
 
-# The patched forwards below run ~200 times a decoding step, where every torch or Python operation costs a few
-# microseconds on this machine, so they check cheap attributes (`is_cpu`, not `device.type`) and call the kernel
-# with the input's own shape (no reshape / view around it).
+# The backend's modules. Their forwards run ~200 times a decoding step, where every torch or Python operation costs
+# a few microseconds on this machine, so they check cheap attributes (`is_cpu`, not `device.type`) and call the
+# kernel with the input's own shape (no reshape / view around it).
 
-def _fast_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    w = self.weight
-    if not x.is_cpu:
-        return F.linear(x, w, self.bias)
-    if _wants_grad(x, w):
-        return _grad_linear(self, x, w, self.bias)
-    layout = self._fast_by_rows[_row_index(x)]  # layouts checked to fit when patched
-    if layout != "kernel" and kernels.in_draft_precision(w):  # the plan measured float32; drafts read less
-        layout = "kernel"
-    return _apply(x, w, self.bias, layout)
+@dataclass
+class LinearPlan:
+    by_rows: list[str]  # the layout for each row count 0 .. MAX_ROWS (the last for more), checked to fit the weight
+    train: bool = True  # products autograd records through the packed kernel (`plan_training`), else F.linear
+
+
+class PackedLinear(BackendModule):
+    """An `nn.Linear` whose products take the layout the plan measured fastest for their row count: the packed
+    C kernel (on GGUF codes, AMX tiles or byte products where the weight and the CPU allow), `F.linear`, or
+    `(W @ x.T).T`; with gradients, `train_linear` or `F.linear` (`plan_training`)."""
+
+    cpu_plan: LinearPlan
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        if not x.is_cpu:
+            return F.linear(x, w, self.bias)
+        if _wants_grad(x, w):
+            return _grad_linear(self, x, w, self.bias)
+        layout = self.cpu_plan.by_rows[_row_index(x)]  # layouts checked to fit when planned
+        if layout != "kernel" and kernels.in_draft_precision(w):  # the plan measured float32; drafts read less
+            layout = "kernel"
+        return _apply(x, w, self.bias, layout)
+
+    def plan_repr(self) -> str:
+        return f"kernel at {row_spans([layout == 'kernel' for layout in self.cpu_plan.by_rows])} rows"
 
 
 def train_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -304,7 +325,7 @@ def train_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 def _grad_linear(mod: nn.Module, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """A product autograd records for patched module `mod`: through `train_linear` unless `plan_training` measured
     `F.linear` faster for its weight shape."""
-    return train_linear(x, weight, bias) if mod.__dict__.get("_fast_train", True) else F.linear(x, weight, bias)
+    return train_linear(x, weight, bias) if mod.cpu_plan.train else F.linear(x, weight, bias)
 
 
 def _wants_grad(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -313,7 +334,7 @@ def _wants_grad(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def _row_index(x: torch.Tensor) -> int:
-    """Index into a module's `_fast_by_rows`: x's rows, or MAX_ROWS for more (the largest bucket's layout)."""
+    """Index into a LinearPlan's `by_rows`: x's rows, or MAX_ROWS for more (the largest bucket's layout)."""
     rows = x.numel() // x.shape[-1]
     return rows if rows < MAX_ROWS else MAX_ROWS
 
@@ -323,32 +344,60 @@ def _stock_path(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return not x.is_cpu or x.dtype != torch.float32 or _wants_grad(x, weight)
 
 
-def _norm_weight(norm: nn.Module) -> torch.Tensor:
-    """The scale a patched RMS norm's kernel applies: its weight, or for Gemma's norms (`_fast_offset` 1.0) 1 + weight
-    as their forward makes it, in float32, kept on the weight as the packed copies are (`kernels.kept`)."""
+@dataclass
+class NormPlan:
+    eps: float
+    offset: float = 0.0  # 1.0 for Gemma's norms, which scale by 1 + weight
+
+
+def _norm_weight(norm: nn.Module, plan: NormPlan | None = None) -> torch.Tensor:
+    """The scale an RMS norm's kernel applies (`plan`, else the KernelNorm's own): its weight, or for Gemma's norms
+    1 + weight as their forward makes it, in float32, kept beside the weight as the packed copies are
+    (`kernels.kept`)."""
     w = norm._parameters["weight"]  # not the module attribute: ~3-5 us a read here, six a Gemma layer a pass
-    offset = norm.__dict__.get("_fast_offset", 0.0)
-    return kernels.kept(w, "_eagle_plus_offset", lambda t: (t + offset).detach(), offset) if offset else w
+    offset = (plan or norm.cpu_plan).offset
+    return kernels.kept(w, "plus_offset", lambda t: (t + offset).detach(), offset) if offset else w
 
 
-def _norm_kernel(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    return kernels.rms_norm(x, _norm_weight(self), self._fast_eps)
+def _norm_kernel(mod: nn.Module, x: torch.Tensor, plan: NormPlan) -> torch.Tensor:
+    return kernels.rms_norm(x, _norm_weight(mod, plan), plan.eps)
 
 
-def _mlp_kernel(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    gated = kernels.rows_gated(x, self.gate_proj.weight, self.up_proj.weight, self.__dict__.get("_fast_act", 0))
-    return self.down_proj(gated)
+class KernelNorm(BackendModule):
+    """An RMS norm in one C call (`kernels.rms_norm`) for float32 rows on the CPU without gradients."""
+
+    cpu_plan: NormPlan
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.stock_forward(x) if _stock_path(x, self.weight) else _norm_kernel(self, x, self.cpu_plan)
+
+    def plan_repr(self) -> str:
+        return f"eps={self.cpu_plan.eps}" + (", scale 1 + weight" if self.cpu_plan.offset else "")
 
 
-def _fast_norm_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    return type(self).forward(self, x) if _stock_path(x, self.weight) else _norm_kernel(self, x)
+@dataclass
+class MLPPlan:
+    act: int  # `rows_gated`'s activation: 0 SiLU, kernels.GELU_TANH
 
 
-def _fast_mlp_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    gate = self.gate_proj
-    if _stock_path(x, gate.weight) or gate._fast_by_rows[_row_index(x)] != "kernel":
-        return type(self).forward(self, x)  # its linear layers still take their measured layouts
-    return _mlp_kernel(self, x)
+def _mlp_kernel(mod: nn.Module, x: torch.Tensor, plan: MLPPlan) -> torch.Tensor:
+    return mod.down_proj(kernels.rows_gated(x, mod.gate_proj.weight, mod.up_proj.weight, plan.act))
+
+
+class KernelMLP(BackendModule):
+    """A gated MLP with its gate and up products and the activation in one C call (`kernels.rows_gated`) at the row
+    counts where the plan chose the kernel for its gate projection; its down projection a PackedLinear."""
+
+    cpu_plan: MLPPlan
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate = self.gate_proj
+        if _stock_path(x, gate.weight) or gate.cpu_plan.by_rows[_row_index(x)] != "kernel":
+            return self.stock_forward(x)  # its linear layers still take their measured layouts
+        return _mlp_kernel(self, x, self.cpu_plan)
+
+    def plan_repr(self) -> str:
+        return "gelu_tanh" if self.cpu_plan.act == kernels.GELU_TANH else "silu"
 
 
 def _attention_kernel(self: nn.Module, x: torch.Tensor, position_embeddings, mask, cache, attend, kwargs: dict):
@@ -359,12 +408,12 @@ def _attention_kernel(self: nn.Module, x: torch.Tensor, position_embeddings, mas
     b, m, d = x.shape[0], x.shape[1], self.head_dim
     cos, sin = position_embeddings
     rows = _row_index(x)
-    q = _apply(x, self.q_proj.weight, self.q_proj.bias, self.q_proj._fast_by_rows[rows])
-    k = _apply(x, self.k_proj.weight, self.k_proj.bias, self.k_proj._fast_by_rows[rows])
+    q = _apply(x, self.q_proj.weight, self.q_proj.bias, self.q_proj.cpu_plan.by_rows[rows])
+    k = _apply(x, self.k_proj.weight, self.k_proj.bias, self.k_proj.cpu_plan.by_rows[rows])
     if "q_norm" in self._modules:  # Qwen3's, Gemma-3's: each head's query and key normed before the rotation
         q, k = self.q_norm(q.view(b, m, -1, d)).view(b, m, -1), self.k_norm(k.view(b, m, -1, d)).view(b, m, -1)
     q, k = kernels.rope_(q, cos, sin, d), kernels.rope_(k, cos, sin, d)
-    v = _apply(x, self.v_proj.weight, self.v_proj.bias, self.v_proj._fast_by_rows[rows])
+    v = _apply(x, self.v_proj.weight, self.v_proj.bias, self.v_proj.cpu_plan.by_rows[rows])
     q, k, v = (t.view(b, m, -1, d).transpose(1, 2) for t in (q, k, v))
     if cache is not None:
         k, v = cache.update(k, v, self.layer_idx)
@@ -382,7 +431,7 @@ def _cache_slot(attn: nn.Module, x: torch.Tensor, pe, mask, cache):
         return None
     m = x.shape[1]
     if (not x.is_cpu or x.dtype != torch.float32 or not x.is_contiguous()
-            or _wants_grad(x, attn._fused_params[0]["weight"])
+            or _wants_grad(x, attn.cpu_plan.params[0]["weight"])
             or _attn_implementation(attn.config) != ATTENTION_IMPLEMENTATION or not _rotary_fits(pe, m, attn.head_dim)):
         return None
     layers = getattr(cache, "layers", None)
@@ -429,7 +478,7 @@ def _projections(attn: nn.Module) -> tuple:
     """(q weight, q bias, ..., o weight, o bias) of an attention module, read from the parameter dicts kept at patch
     time (a submodule's attribute costs ~3-5 us here)."""
     out = []
-    for params in attn._fused_params:
+    for params in attn.cpu_plan.params:
         out += (params["weight"], params.get("bias"))
     return tuple(out)
 
@@ -437,11 +486,12 @@ def _projections(attn: nn.Module) -> tuple:
 def _fused_attention(self: nn.Module, x: torch.Tensor, pe, mask, cache) -> torch.Tensor | None:
     """The whole attention module in one C call (`kernels.attention_block`, the same numbers as
     `_attention_kernel` with `gqa_sdpa`) where `_cache_slot` allows it, else None."""
-    slot = _cache_slot(self, x, pe, mask, cache) if self._fused_rows[min(x.shape[1], MAX_ROWS)] else None
+    plan = self.cpu_plan
+    slot = _cache_slot(self, x, pe, mask, cache) if plan.rows[min(x.shape[1], MAX_ROWS)] else None
     if slot is None:
         return None
     layer, past = slot
-    y = kernels.attention_block(x, _projections(self), *self._fused_dims, pe[0], pe[1], layer._k, layer._v, past,
+    y = kernels.attention_block(x, _projections(self), *plan.dims, pe[0], pe[1], layer._k, layer._v, past,
                                   mask, self.scaling, _qk_norms(self))
     layer.filled(past + x.shape[1])
     return y
@@ -450,53 +500,87 @@ def _fused_attention(self: nn.Module, x: torch.Tensor, pe, mask, cache) -> torch
 def _qk_norms(attn: nn.Module) -> tuple | None:
     """`kernels.attention_block`'s qk_norms for a planned attention module: None, or its q and k norms' scales
     and epsilon."""
-    qk = attn._fused_qk
-    return None if qk is None else (_norm_weight(qk[0]), _norm_weight(qk[1]), qk[0]._fast_eps)
+    qk = attn.cpu_plan.qk
+    return None if qk is None else (_norm_weight(qk[0]), _norm_weight(qk[1]), qk[0].cpu_plan.eps)
 
 
-def _layer_in_one_call(self: nn.Module, x: torch.Tensor, pe, mask, layer: PreallocatedLayer, past: int):
-    """`kernels.decoder_layer` on a planned decoder layer (`_plan_fused_layer`), writing the new keys and values
-    into the cache layer after its `past` positions."""
-    attn, gate, up, down = self._fused_parts[0], *self._fused_parts[3:]
-    norm1, norm2, out_attn, out_mlp = self._fused_norms
-    out = None if out_attn is None else (_norm_weight(out_attn), out_attn._fast_eps, _norm_weight(out_mlp),
-                                         out_mlp._fast_eps)
+def _layer_in_one_call(plan: LayerPlan, x: torch.Tensor, pe, mask, layer: PreallocatedLayer, past: int):
+    """`kernels.decoder_layer` on a decoder layer planned as `plan` (`_plan_fused_layer`), writing the new keys and
+    values into the cache layer after its `past` positions."""
+    attn, gate, up, down = plan.parts[0], *plan.parts[3:]
+    norm1, norm2, out_attn, out_mlp = plan.norms
+    out = None if out_attn is None else (_norm_weight(out_attn), out_attn.cpu_plan.eps, _norm_weight(out_mlp),
+                                         out_mlp.cpu_plan.eps)
     y = kernels.decoder_layer(
-        x, (_norm_weight(norm1), norm1._fast_eps, _norm_weight(norm2), norm2._fast_eps), _projections(attn),
-        (gate["weight"], up["weight"], down["weight"]), *attn._fused_dims, pe[0], pe[1], layer._k, layer._v, past,
-        mask, attn.scaling, _qk_norms(attn), out, self._fused_act)
+        x, (_norm_weight(norm1), norm1.cpu_plan.eps, _norm_weight(norm2), norm2.cpu_plan.eps), _projections(attn),
+        (gate["weight"], up["weight"], down["weight"]), *attn.cpu_plan.dims, pe[0], pe[1], layer._k, layer._v, past,
+        mask, attn.scaling, _qk_norms(attn), out, plan.act)
     layer.filled(past + x.shape[1])
     return y
 
 
-def _fast_layer_forward(self: nn.Module, hidden_states: torch.Tensor, *args, **kwargs):
-    """A Llama-style decoder layer in one C call (`kernels.decoder_layer`) where it applies, else its own forward
-    (whose norms, attention and MLP are patched themselves)."""
-    x = hidden_states
-    if not args and x.dim() == 3 and x.shape[1] <= MAX_ROWS and self._fused_rows[x.shape[1]]:
-        cache = kwargs["cache"] if "cache" in kwargs else kwargs.get("past_key_values")
-        pe, mask = kwargs.get("position_embeddings"), kwargs.get("attention_mask")
-        slot = _cache_slot(self._fused_parts[0], x, pe, mask, cache)
-        if slot is not None:
-            return _layer_in_one_call(self, x, pe, mask, *slot)
-    return type(self).forward(self, hidden_states, *args, **kwargs)
+@dataclass
+class AttentionPlan:
+    # for each row count 0 .. MAX_ROWS, whether the whole module may run in one C call (`_fused_attention`)
+    rows: list[bool] = field(default_factory=lambda: [False] * (MAX_ROWS + 1))
+    dims: tuple = ()     # (heads, key / value heads, head size)
+    params: tuple = ()   # the q, k, v, o projections' parameter dicts (a submodule attribute costs ~3-5 us here)
+    qk: tuple | None = None  # its q and k KernelNorms where the C call takes them (Qwen3's, Gemma-3's)
 
 
-def _fast_attention_forward(self: nn.Module, hidden_states: torch.Tensor, *args, **kwargs):
-    cache_kw = "cache" if "cache" in kwargs else "past_key_values"
-    cache, pe = kwargs.get(cache_kw), kwargs.get("position_embeddings")
-    x, impl = hidden_states, self.config._attn_implementation
-    if not args and pe is not None:
-        y = _fused_attention(self, x, pe, kwargs.get("attention_mask"), cache)
-        if y is not None:
-            return y, None
-    if (args or pe is None or x.dim() != 3 or _stock_path(x, self.q_proj.weight) or not x.is_contiguous()
-            or pe[0].dim() != 3 or pe[0].shape[0] not in (1, x.shape[0]) or pe[0].shape[1] != x.shape[1]
-            or pe[0].shape[2] != self.head_dim or pe[0].dtype != torch.float32
-            or (cache is not None and not isinstance(cache, DynamicCache)) or impl not in ALL_ATTENTION_FUNCTIONS):
-        return type(self).forward(self, hidden_states, *args, **kwargs)
-    kw = {k: v for k, v in kwargs.items() if k not in (cache_kw, "position_embeddings", "attention_mask")}
-    return _attention_kernel(self, x, pe, kwargs.get("attention_mask"), cache, ALL_ATTENTION_FUNCTIONS[impl], kw)
+class KernelAttention(BackendModule):
+    """A Llama-style attention module: in one C call (`kernels.attention_block`: products, q / k norms, rotary
+    embedding, cache write, attention) where `_cache_slot` allows, else its steps with the rotary embedding in C and
+    the products called directly (`_attention_kernel`), else (gradients, other devices) its stock forward."""
+
+    cpu_plan: AttentionPlan
+
+    def forward(self, hidden_states: torch.Tensor, *args, **kwargs):
+        cache_kw = "cache" if "cache" in kwargs else "past_key_values"
+        cache, pe = kwargs.get(cache_kw), kwargs.get("position_embeddings")
+        x, impl = hidden_states, self.config._attn_implementation
+        if not args and pe is not None:
+            y = _fused_attention(self, x, pe, kwargs.get("attention_mask"), cache)
+            if y is not None:
+                return y, None
+        if (args or pe is None or x.dim() != 3 or _stock_path(x, self.q_proj.weight) or not x.is_contiguous()
+                or pe[0].dim() != 3 or pe[0].shape[0] not in (1, x.shape[0]) or pe[0].shape[1] != x.shape[1]
+                or pe[0].shape[2] != self.head_dim or pe[0].dtype != torch.float32
+                or (cache is not None and not isinstance(cache, DynamicCache)) or impl not in ALL_ATTENTION_FUNCTIONS):
+            return self.stock_forward(hidden_states, *args, **kwargs)
+        kw = {k: v for k, v in kwargs.items() if k not in (cache_kw, "position_embeddings", "attention_mask")}
+        return _attention_kernel(self, x, pe, kwargs.get("attention_mask"), cache, ALL_ATTENTION_FUNCTIONS[impl], kw)
+
+    def plan_repr(self) -> str:
+        return f"one call at {row_spans(self.cpu_plan.rows)} rows"
+
+
+@dataclass
+class LayerPlan:
+    parts: tuple        # (attention, the two norms', gate's, up's and down's parameter dicts)
+    norms: tuple        # (input norm, post-attention (or pre-MLP) norm, Gemma-3's output norms or None, None)
+    act: int            # the MLP's activation (MLPPlan.act)
+    rows: list[bool]    # for each row count 0 .. MAX_ROWS, whether the layer runs in one C call
+
+
+class FusedLayer(BackendModule):
+    """A Llama-style decoder layer (or Gemma-3's) in one C call (`kernels.decoder_layer`: norms, attention with its
+    cache write, MLP, residual sums) where it applies, else its stock forward (whose parts are backend modules)."""
+
+    cpu_plan: LayerPlan
+
+    def forward(self, hidden_states: torch.Tensor, *args, **kwargs):
+        x, plan = hidden_states, self.cpu_plan
+        if not args and x.dim() == 3 and x.shape[1] <= MAX_ROWS and plan.rows[x.shape[1]]:
+            cache = kwargs["cache"] if "cache" in kwargs else kwargs.get("past_key_values")
+            pe, mask = kwargs.get("position_embeddings"), kwargs.get("attention_mask")
+            slot = _cache_slot(plan.parts[0], x, pe, mask, cache)
+            if slot is not None:
+                return _layer_in_one_call(plan, x, pe, mask, *slot)
+        return self.stock_forward(hidden_states, *args, **kwargs)
+
+    def plan_repr(self) -> str:
+        return f"one call at {row_spans(self.cpu_plan.rows)} rows"
 
 
 def _is_plain_attention(mod: nn.Module) -> bool:
@@ -511,7 +595,7 @@ def _is_plain_attention(mod: nn.Module) -> bool:
             return False
         names -= {"q_norm", "k_norm"}
     return (names == {"q_proj", "k_proj", "v_proj", "o_proj"}
-            and all(isinstance(p, nn.Linear) and kernels.supports(p.weight) and "_fast_by_rows" in p.__dict__
+            and all(isinstance(p, nn.Linear) and kernels.supports(p.weight) and isinstance(p, PackedLinear)
                     for p in parts)
             and isinstance(getattr(mod, "head_dim", None), int) and 0 < mod.head_dim <= 1024 and mod.head_dim % 2 == 0
             and isinstance(getattr(mod, "scaling", None), float) and isinstance(getattr(mod, "layer_idx", None), int)
@@ -540,9 +624,9 @@ def _attention_same_as_stock(mod: nn.Module) -> bool:
     return got.shape == want.shape and torch.allclose(got, want, rtol=1e-4, atol=1e-4 * width ** 0.5)
 
 
-def _plan_fused_attention(mod: nn.Module) -> None:
-    """For each row count, whether `_fused_attention` may run the module: the plan chose the kernel for all four
-    products, the heads divide evenly, biases (if any) are contiguous float32."""
+def _plan_fused_attention(mod: KernelAttention) -> None:
+    """Its AttentionPlan: for each row count, whether `_fused_attention` may run the module: the plan chose the kernel
+    for all four products, the heads divide evenly, biases (if any) are contiguous float32."""
     projs = [getattr(mod, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
     d = mod.head_dim
     heads, kv_heads = projs[0].weight.shape[0] // d, projs[1].weight.shape[0] // d
@@ -550,32 +634,26 @@ def _plan_fused_attention(mod: nn.Module) -> None:
             and projs[1].weight.shape[0] == kv_heads * d and kv_heads > 0 and heads % kv_heads == 0 and d % 8 == 0
             and projs[3].weight.shape[1] == heads * d
             and all(p.bias is None or (p.bias.dtype == torch.float32 and p.bias.is_contiguous()) for p in projs))
-    mod._fused_dims = (heads, kv_heads, d)
-    mod._fused_params = tuple(p._parameters for p in projs)
-    mod._fused_qk = None
+    plan = mod.cpu_plan
+    plan.dims, plan.params, plan.qk = (heads, kv_heads, d), tuple(p._parameters for p in projs), None
     if "q_norm" in mod._modules:  # Qwen3's, Gemma-3's: taken in C where both run their kernels with one epsilon
         qn, kn = mod.q_norm, mod.k_norm
-        eps = qn.__dict__.get("_fast_eps")
-        same = (eps is not None and eps == kn.__dict__.get("_fast_eps") and "_fast_module" in qn.__dict__
-                and "_fast_module" in kn.__dict__)
-        mod._fused_qk, fits = ((qn, kn) if same else None), fits and same
-    mod._fused_rows = [fits and 0 < rows <= ATTENTION_ROWS and all(p._fast_by_rows[rows] == "kernel" for p in projs)
-                       for rows in range(MAX_ROWS + 1)]
+        same = (isinstance(qn, KernelNorm) and isinstance(kn, KernelNorm) and qn.cpu_plan.eps == kn.cpu_plan.eps)
+        plan.qk, fits = ((qn, kn) if same else None), fits and same
+    plan.rows = [fits and 0 < rows <= ATTENTION_ROWS and all(p.cpu_plan.by_rows[rows] == "kernel" for p in projs)
+                 for rows in range(MAX_ROWS + 1)]
 
 
 LAYER_PARTS = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
 # Gemma-2/3's layers: post_attention_layernorm norms the attention's output, pre_feedforward_layernorm the MLP's
 # input, post_feedforward_layernorm its output
 NORMED_OUTPUT_PARTS = LAYER_PARTS | {"pre_feedforward_layernorm", "post_feedforward_layernorm"}
-FUSED_ATTRS = ("_fast_eps", "_fast_act", "_fused_rows", "_fused_dims", "_fused_params", "_fused_qk",
-               "_fused_parts", "_fused_norms", "_fused_act", "_stack_rows", "_stack_dims", "_stack_table",
-               "_stack_slots", "_rope_table")
 
 
-def _plan_fused_layer(mod: nn.Module) -> bool:
-    """Whether `mod` looks like a Llama decoder layer (or a Gemma-3 one: its attention's and MLP's outputs normed,
-    `NORMED_OUTPUT_PARTS`) whose norms, attention and MLP all run the kernels; if so, keep its parts and, for each
-    row count, whether `_fast_layer_forward` may run it in one call."""
+def _plan_fused_layer(mod: nn.Module) -> LayerPlan | None:
+    """Where `mod` looks like a Llama decoder layer (or a Gemma-3 one: its attention's and MLP's outputs normed,
+    `NORMED_OUTPUT_PARTS`) whose norms, attention and MLP are all backend modules: its parts and, for each row
+    count, whether `FusedLayer` may run it in one call; else None."""
     parts = dict(mod.named_children())
     if set(parts) == LAYER_PARTS:
         names = ("input_layernorm", "post_attention_layernorm")
@@ -583,33 +661,25 @@ def _plan_fused_layer(mod: nn.Module) -> bool:
         names = ("input_layernorm", "pre_feedforward_layernorm", "post_attention_layernorm",
                  "post_feedforward_layernorm")
     else:
-        return False
+        return None
     attn, mlp, norms = parts["self_attn"], parts["mlp"], [parts[n] for n in names]
-    if not ("_fused_rows" in attn.__dict__
-            and all("_fast_eps" in n.__dict__ and n.weight.shape == (mlp.down_proj.weight.shape[0],) for n in norms)
-            and getattr(mlp.__dict__.get("forward"), "__func__", None) is _fast_mlp_forward):
-        return False
-    mod._fused_parts = (attn, norms[0]._parameters, norms[1]._parameters, mlp.gate_proj._parameters,
-                        mlp.up_proj._parameters, mlp.down_proj._parameters)
-    mod._fused_norms = (*norms, None, None)[:4]
-    mod._fused_act = mlp.__dict__.get("_fast_act", 0)
-    mod._fused_rows = [attn._fused_rows[rows] and mlp.gate_proj._fast_by_rows[rows] == "kernel"
-                       and mlp.down_proj._fast_by_rows[rows] == "kernel" for rows in range(MAX_ROWS + 1)]
-    return True
+    if not (isinstance(attn, KernelAttention) and isinstance(mlp, KernelMLP)
+            and all(isinstance(n, KernelNorm) and n.weight.shape == (mlp.down_proj.weight.shape[0],) for n in norms)):
+        return None
+    return LayerPlan(parts=(attn, norms[0]._parameters, norms[1]._parameters, mlp.gate_proj._parameters,
+                            mlp.up_proj._parameters, mlp.down_proj._parameters),
+                     norms=(*norms, None, None)[:4], act=mlp.cpu_plan.act,
+                     rows=[attn.cpu_plan.rows[rows] and mlp.gate_proj.cpu_plan.by_rows[rows] == "kernel"
+                           and mlp.down_proj.cpu_plan.by_rows[rows] == "kernel" for rows in range(MAX_ROWS + 1)])
 
 
-def _unplan(mod: nn.Module) -> None:
-    for name in FUSED_ATTRS:
-        mod.__dict__.pop(name, None)
-
-
-def _layer_same_as_stock(mod: nn.Module) -> bool:
-    """Whether the one-call layer computes what the layer's own forward computes (with its patched parts): two
-    rows after three cached ones with a causal mask, then one more row without a mask, on random inputs, each
+def _layer_same_as_stock(mod: nn.Module, plan: LayerPlan) -> bool:
+    """Whether the one-call layer (`plan`) computes what the layer's own forward computes (with its backend parts):
+    two rows after three cached ones with a causal mask, then one more row without a mask, on random inputs, each
     path with its own preallocated cache holding the same past."""
-    attn = mod._fused_parts[0]
-    kv_heads, d = attn._fused_dims[1:]
-    hid = mod._fused_parts[1]["weight"].shape[0]
+    attn = plan.parts[0]
+    kv_heads, d = attn.cpu_plan.dims[1:]
+    hid = plan.parts[1]["weight"].shape[0]
     gen = torch.Generator().manual_seed(0)
     past_k, past_v = torch.randn(2, 1, kv_heads, 3, d, generator=gen)
     try:
@@ -627,7 +697,7 @@ def _layer_same_as_stock(mod: nn.Module) -> bool:
                                          **{cache_kw: caches[0]})
                 want = want[0] if isinstance(want, tuple) else want
                 layer = caches[1].layers[attn.layer_idx]
-                got = _layer_in_one_call(mod, x, pe, mask, layer, layer.keys.shape[-2])
+                got = _layer_in_one_call(plan, x, pe, mask, layer, layer.keys.shape[-2])
                 if not (got.shape == want.shape and torch.allclose(got, want, rtol=1e-4, atol=1e-4 * hid ** 0.5)):
                     return False
     except (TypeError, ValueError, RuntimeError, AttributeError, IndexError, KeyError):
@@ -639,81 +709,109 @@ STACK_KWARGS = {"input_ids", "attention_mask", "position_ids", "cache", "past_ke
                 "output_hidden_states", "output_attentions", "return_dict", "cache_position"}
 
 
-def _plan_stack(mod: nn.Module) -> bool:
-    """Whether `mod` looks like a Llama-style base model whose decoder layers all run in one call each: an
-    `embed_tokens` embedding, a ModuleList `layers` of planned layers (`_plan_fused_layer`) with the same sizes and
-    layer indices 0, 1, ..., a `norm` and a `rotary_emb`, full attention in every layer; if so, keep for each row
-    count whether `_fast_stack_forward` may run every layer in one C call."""
+@dataclass
+class StackPlan:
+    dims: tuple        # (heads, key / value heads, head size, intermediate size, attention scale)
+    rows: list[bool]   # for each row count 0 .. MAX_ROWS, whether every layer runs in one C call
+    slots: list | None = None  # (parameter dict, name) of every layer's weights, in `decoder_stack`'s table order
+    table: tuple | None = None  # (weights' key, LayerArgs, cache buffers, C table): `_stack_table`
+    cache_mark: tuple | None = None  # (the cache, `table`, buffers made, switches) of the last pass
+    rope: tuple | None = None  # (inv_freq, key, cos, sin): `_rotary`'s table
+
+    def __deepcopy__(self, memo) -> "StackPlan":
+        # the tables hold C addresses of this model's weights and caches (ctypes, which cannot be copied): a copy of
+        # the model (a bfloat16 feature pass's) makes its own from its own weights
+        return StackPlan(dims=copy.deepcopy(self.dims, memo), rows=list(self.rows))
+
+
+class FusedStack(BackendModule):
+    """A Llama-style base model with all its decoder layers in one C call (`kernels.decoder_stack`) where
+    `_stack_call` allows, else its stock forward (whose layers are FusedLayers themselves)."""
+
+    cpu_plan: StackPlan
+
+    def forward(self, *args, **kwargs):
+        out = None if args else _stack_call(self, kwargs, self.cpu_plan)
+        return out if out is not None else self.stock_forward(*args, **kwargs)
+
+    def plan_repr(self) -> str:
+        return f"all layers in one call at {row_spans(self.cpu_plan.rows)} rows"
+
+
+def _plan_stack(mod: nn.Module) -> StackPlan | None:
+    """Where `mod` looks like a Llama-style base model whose decoder layers all run in one call each: an
+    `embed_tokens` embedding, a ModuleList `layers` of FusedLayers with the same sizes and layer indices 0, 1, ...,
+    a `norm` and a `rotary_emb`, full attention in every layer: its StackPlan, with for each row count whether
+    `FusedStack` may run every layer in one C call; else None."""
     layers, config = getattr(mod, "layers", None), getattr(mod, "config", None)
     if not (isinstance(layers, nn.ModuleList) and len(layers) and isinstance(getattr(mod, "embed_tokens", None),
                                                                              nn.Embedding)
             and isinstance(getattr(mod, "norm", None), nn.Module) and isinstance(getattr(mod, "rotary_emb", None),
                                                                                    nn.Module)
-            and all(isinstance(layer.__dict__.get("_fused_rows"), list) and _llama_layer(layer) for layer in layers)):
-        return False
+            and all(isinstance(layer, FusedLayer) and _llama_layer(layer.cpu_plan) for layer in layers)):
+        return None
     if (getattr(config, "num_hidden_layers", None) != len(layers) or getattr(config, "sliding_window", None)
             or any(t != "full_attention" for t in getattr(config, "layer_types", None) or ())):
-        return False  # sliding-window layers need masks a one-row pass does not get
-    attns = [layer._fused_parts[0] for layer in layers]
-    sizes = {(a._fused_dims, float(a.scaling), layer._fused_parts[3]["weight"].shape)
+        return None  # sliding-window layers need masks a one-row pass does not get
+    attns = [layer.cpu_plan.parts[0] for layer in layers]
+    sizes = {(a.cpu_plan.dims, float(a.scaling), layer.cpu_plan.parts[3]["weight"].shape)
              for a, layer in zip(attns, layers)}
     if len(sizes) != 1 or [a.layer_idx for a in attns] != list(range(len(layers))):
-        return False
+        return None
     (dims, scale, gate_shape), = sizes
-    mod._stack_dims = (*dims, gate_shape[0], scale)
-    mod._stack_rows = [all(layer._fused_rows[rows] for layer in layers) for rows in range(MAX_ROWS + 1)]
-    return True
+    return StackPlan(dims=(*dims, gate_shape[0], scale),
+                     rows=[all(layer.cpu_plan.rows[rows] for layer in layers) for rows in range(MAX_ROWS + 1)])
 
 
-def _llama_layer(layer: nn.Module) -> bool:
-    """Whether a planned layer is Llama's alone (what `decoder_stack`'s table holds): no q / k norms, no normed
+def _llama_layer(plan: LayerPlan) -> bool:
+    """Whether a fused layer is Llama's alone (what `decoder_stack`'s table holds): no q / k norms, no normed
     outputs, no norm scaled by 1 + weight, SiLU."""
-    return ("q_norm" not in layer._fused_parts[0]._modules and layer._fused_norms[2] is None and layer._fused_act == 0
-            and not any("_fast_offset" in n.__dict__ for n in layer._fused_norms[:2]))
+    return ("q_norm" not in plan.parts[0]._modules and plan.norms[2] is None and plan.act == 0
+            and not any(n.cpu_plan.offset for n in plan.norms[:2]))
 
 
-def _stack_table(mod: nn.Module, cache: DynamicCache) -> tuple:
-    """(addresses [L, STACK_SLOTS], epsilons [L, 2], key strides [L]) for `kernels.decoder_stack`: the weights'
-    part made again only when a weight changed in place or moved, or the kernel library or the Q4_1, AMX or VNNI
-    switch changed (as `kernels.packed` would), the caches' part when their buffers moved. The weights are read
-    once per cache (a cache belongs to one set of weights): later passes with the same cache reuse the table while no
-    buffer was made since."""
+def _stack_table(mod: nn.Module, plan: StackPlan, cache: DynamicCache):
+    """`kernels.decoder_stack`'s table (an array of LayerArgs): the weights' part made again only when a weight
+    changed in place or moved, or the kernel library or the Q4_1, AMX or VNNI switch changed (as `kernels.packed`
+    would), the caches' part when their buffers moved. The weights are read once per cache (a cache belongs to one
+    set of weights): later passes with the same cache reuse the table while no buffer was made since."""
     switches = (id(kernels._lib), kernels.Q4_1, kernels.amx_on(), kernels.VNNI)
-    kept = mod.__dict__.get("_stack_table")
-    mark = cache.__dict__.get("_stack_mark")
-    if mark is not None and mark[0] is kept and mark[1:] == (PreallocatedLayer.buffers_made, switches):
-        return kept[4][0], kept[2], kept[4][1]
-    slots = mod.__dict__.get("_stack_slots")
+    kept, mark = plan.table, plan.cache_mark
+    if (mark is not None and mark[0]() is cache and mark[1] is kept
+            and mark[2:] == (PreallocatedLayer.buffers_made, switches)):
+        return kept[3]
+    slots = plan.slots
     if slots is None:  # (parameter dict, name) of every weight: the modules' live dicts, so a replaced one is seen
-        slots = mod._stack_slots = [(d, name) for layer in mod.layers for d, name in _stack_slots(layer)]
+        slots = plan.slots = [(d, name) for layer in mod.layers for d, name in _stack_slots(layer.cpu_plan)]
     key = [*switches, *((kernels.version(w), w.data_ptr()) for w in (d[name] for d, name in slots))]
-    buffers = [p for c in cache.layers for p in (c._k.data_ptr(), c._v.data_ptr(), c._k.stride(1))]
+    buffers = [(c._k, c._v) for c in cache.layers]
+    made_for = [(k.data_ptr(), v.data_ptr(), k.stride(1)) for k, v in buffers]
     if kept is None or kept[0] != key:
-        rows = []
+        layers = []
         for layer in mod.layers:
-            attn, norm1, norm2, gate, up, down = layer._fused_parts
-            rows.append(kernels.stack_weights(norm1["weight"], norm2["weight"], _projections(attn),
-                                                (gate["weight"], up["weight"], down["weight"])))
-        eps = torch.tensor([[n._fast_eps for n in layer._fused_norms[:2]] for layer in mod.layers],
-                           dtype=torch.float32)
-        kept = mod._stack_table = (key, rows, eps, None, None)
-    key, rows, eps, made_for, tables = kept
-    if made_for != buffers:  # the cache's buffers moved (a new cache, or one grown): their addresses again
-        tables = (torch.tensor([row + buffers[3 * i:3 * i + 2] for i, row in enumerate(rows)], dtype=torch.int64),
-                  torch.tensor(buffers[2::3], dtype=torch.int64))
-        kept = mod._stack_table = (key, rows, eps, buffers, tables)
-    cache._stack_mark = (kept, PreallocatedLayer.buffers_made, switches)
-    return tables[0], eps, tables[1]
+            attn, norm1, norm2, gate, up, down = layer.cpu_plan.parts
+            n1, n2 = layer.cpu_plan.norms[:2]
+            layers.append(kernels.layer_args(_projections(attn), (norm1["weight"], n1.cpu_plan.eps, norm2["weight"],
+                                                                  n2.cpu_plan.eps),
+                                             (gate["weight"], up["weight"], down["weight"])))
+        kept = plan.table = (key, layers, None, None)
+    key, layers, table_for, table = kept
+    if table_for != made_for:  # the cache's buffers moved (a new cache, or one grown): their addresses again
+        for args, (k, v) in zip(layers, buffers):
+            args.k_cache, args.v_cache, args.kv_sh = k.data_ptr(), v.data_ptr(), k.stride(1)
+        kept = plan.table = (key, layers, made_for, kernels.stack_layers(layers))
+    plan.cache_mark = (weakref.ref(cache), kept, PreallocatedLayer.buffers_made, switches)
+    return kept[3]
 
 
-def _stack_slots(layer: nn.Module) -> list:
+def _stack_slots(plan: LayerPlan) -> list:
     """(parameter dict, name) of a fused layer's weights: its norms', its attention's (and biases), its MLP's."""
-    attn, norm1, norm2, gate, up, down = layer._fused_parts
-    projs = [(d, name) for d in attn._fused_params for name in ("weight", "bias") if d.get(name) is not None]
+    attn, norm1, norm2, gate, up, down = plan.parts
+    projs = [(d, name) for d in attn.cpu_plan.params for name in ("weight", "bias") if d.get(name) is not None]
     return [(norm1, "weight"), (norm2, "weight"), *projs, (gate, "weight"), (up, "weight"), (down, "weight")]
 
 
-def _rotary(mod: nn.Module, x: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _rotary(mod: nn.Module, plan: StackPlan, x: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The model's rotary (cos, sin) at position ids pos [1, m]: for the default rope type, rows of a table the
     rotary module made itself in one call, of the first 4,096 positions or a power of two more as later passes need
     (each entry depends only on its own position: the same bits, checked in the tests); else, and past the model's
@@ -724,7 +822,7 @@ def _rotary(mod: nn.Module, x: torch.Tensor, pos: torch.Tensor) -> tuple[torch.T
         return rot(x, position_ids=pos)
     inv = rot.inv_freq
     key = (kernels.version(inv), x.dtype, float(rot.attention_scaling))
-    table = mod.__dict__.get("_rope_table")
+    table = plan.rope
     if table is not None and table[0] is inv and table[1] == key:
         try:
             return table[2].index_select(1, pos[0]), table[3].index_select(1, pos[0])
@@ -735,11 +833,11 @@ def _rotary(mod: nn.Module, x: torch.Tensor, pos: torch.Tensor) -> tuple[torch.T
         return rot(x, position_ids=pos)
     n = min(size, max(4096, 1 << math.ceil(math.log2(need))))
     cos, sin = rot(x[:, :1], position_ids=torch.arange(n, device=x.device)[None])
-    mod._rope_table = (inv, key, cos, sin)
+    plan.rope = (inv, key, cos, sin)
     return cos.index_select(1, pos[0]), sin.index_select(1, pos[0])
 
 
-def _stack_call(mod: nn.Module, kwargs: dict):
+def _stack_call(mod: nn.Module, kwargs: dict, plan: StackPlan):
     """The base model's output with every decoder layer in one C call (`kernels.decoder_stack`) where that
     computes what its own forward (with one call per layer) computes, else None: input ids of one sequence of at
     most 64 rows with position ids, `gqa_sdpa` attention, a preallocated cache with room in every layer, the mask
@@ -749,7 +847,7 @@ def _stack_call(mod: nn.Module, kwargs: dict):
     mask = kwargs.get("attention_mask")
     if (not set(kwargs) <= STACK_KWARGS or kwargs.get("use_cache") is False or kwargs.get("output_attentions")
             or not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[0] != 1
-            or not 0 < ids.shape[1] <= MAX_ROWS or not mod._stack_rows[ids.shape[1]]
+            or not 0 < ids.shape[1] <= MAX_ROWS or not plan.rows[ids.shape[1]]
             or not isinstance(pos, torch.Tensor) or pos.shape != ids.shape or torch.is_grad_enabled()
             or not isinstance(cache, DynamicCache) or len(cache.layers) != len(mod.layers)
             or _attn_implementation(mod.config) != ATTENTION_IMPLEMENTATION):
@@ -766,15 +864,15 @@ def _stack_call(mod: nn.Module, kwargs: dict):
     if mask is not None and not _mask_fits(mask, m, past):
         return None
     x = mod.embed_tokens(ids)
-    cos, sin = _rotary(mod, x, pos)
-    heads, kv_heads, d, inter, scale = mod._stack_dims
+    cos, sin = _rotary(mod, plan, x, pos)
+    heads, kv_heads, d, inter, scale = plan.dims
     if x.dtype != torch.float32 or not x.is_cpu or not x.is_contiguous() or not _rotary_fits((cos, sin), m, d):
         return None
-    table, eps, strides = _stack_table(mod, cache)
+    table = _stack_table(mod, plan, cache)
     want = kwargs.get("output_hidden_states")
     keep = x.new_empty(len(layers) - 1, 1, m, x.shape[2]) if (getattr(mod.config, "output_hidden_states", False)
                                                               if want is None else want) else None
-    y = kernels.decoder_stack(x, table, eps, strides, heads, kv_heads, d, inter, cos, sin, past, mask, scale, keep)
+    y = kernels.decoder_stack(x, table, heads, kv_heads, d, inter, cos, sin, past, mask, scale, keep)
     for layer in layers:
         layer.filled(past + m)
     out = {"last_hidden_state": mod.norm(y)}
@@ -784,14 +882,7 @@ def _stack_call(mod: nn.Module, kwargs: dict):
     return BaseModelOutputWithPast(**out)
 
 
-def _fast_stack_forward(self: nn.Module, *args, **kwargs):
-    """A Llama-style base model's forward with all its decoder layers in one C call where `_stack_call` allows,
-    else its own forward (whose layers are patched themselves)."""
-    out = None if args else _stack_call(self, kwargs)
-    return out if out is not None else type(self).forward(self, *args, **kwargs)
-
-
-def _stack_same_as_stock(mod: nn.Module) -> bool:
+def _stack_same_as_stock(mod: nn.Module, plan: StackPlan) -> bool:
     """Whether the one-call stack gives exactly the base model's own forward (its layers one call each): three
     rows after five cached positions with a tree mask, then one row without a mask (each where the stack takes
     that many rows), on random token ids, each path with its own preallocated cache."""
@@ -811,8 +902,8 @@ def _stack_same_as_stock(mod: nn.Module) -> bool:
                 for cut, m in steps:
                     kw = {"input_ids": ids[:, cut], "position_ids": torch.arange(cut.start, cut.stop)[None],
                           "attention_mask": m, cache_kw: cache, "use_cache": True}
-                    try_stack = fused and cut.start and mod._stack_rows[cut.stop - cut.start]
-                    out = _stack_call(mod, kw) if try_stack else None
+                    try_stack = fused and cut.start and plan.rows[cut.stop - cut.start]
+                    out = _stack_call(mod, kw, plan) if try_stack else None
                     if try_stack and out is None:
                         return False
                     checked += bool(try_stack)
@@ -851,137 +942,118 @@ def _gated_mlp_act(mod: nn.Module) -> int | None:
     return kernels.GELU_TANH if torch.allclose(y, F.gelu(t, approximate="tanh"), atol=1e-6) else None
 
 
-def _same_as_stock(mod: nn.Module, kernel, width: int) -> bool:
-    """Whether `kernel` computes what the module's stock forward computes, on a random input of a few rows: the
-    check that keeps a module whose forward differs from what its name and parts suggest (Gemma's `1 + weight`
-    norm, another activation) on its stock forward."""
+def _same_as_stock(mod: nn.Module, kernel, width: int, plan) -> bool:
+    """Whether `kernel` with `plan` computes what the module's stock forward computes, on a random input of a few
+    rows: the check that keeps a module whose forward differs from what its name and parts suggest (Gemma's
+    `1 + weight` norm, another activation) on its stock forward."""
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(1, 3, width, generator=gen) * 2 + 0.5
     with torch.no_grad():
-        want, got = type(mod).forward(mod, x), kernel(mod, x)
+        want, got = type(mod).forward(mod, x), kernel(mod, x, plan)
     return got.shape == want.shape and torch.allclose(got, want, rtol=1e-4, atol=1e-4 * width ** 0.5)
 
 
-def _offset_norm(mod: nn.Module, width: int) -> bool:
-    """Whether an RMS norm module computes `(1 + weight) x / rms(x)` (Gemma's); if so, its kernel adds the 1."""
-    mod._fast_offset = 1.0
-    if _same_as_stock(mod, _norm_kernel, width):
-        return True
-    del mod._fast_offset
-    return False
+# base models whose one-call stack passed `_stack_same_as_stock`: the check is of the code paths, and a calibration
+# enables a model many times
+_checked_stacks: weakref.WeakSet = weakref.WeakSet()
 
 
 def _patch_modules(model: nn.Module) -> None:
-    """Route RMS norms, gated MLPs and Llama-style attention modules through the C kernel where it computes what
-    their stock forward does."""
+    """Give RMS norms, gated MLPs, Llama-style attention modules, decoder layers and base models the backend's
+    classes where the kernels compute what their stock forward does (modules that have one already keep it)."""
     if not kernels.available():
         return
     for mod in model.modules():
         first = next(mod.parameters(), None)
-        if "_fast_module" in mod.__dict__ or first is None or first.device.type != "cpu":
+        if isinstance(mod, BackendModule) or first is None or first.device.type != "cpu":
             continue
         eps = _norm_eps(mod)
         if eps is not None and mod.weight.dim() == 1 and kernels.supports(mod.weight[None]):
-            mod._fast_eps = eps
-            fast, kernel, width = _fast_norm_forward, _norm_kernel, mod.weight.shape[0]
-        elif (act := _gated_mlp_act(mod)) is not None and "kernel" in mod.gate_proj.__dict__.get("_fast_by_rows", ()):
-            mod._fast_act = act
-            fast, kernel, width = _fast_mlp_forward, _mlp_kernel, mod.gate_proj.weight.shape[1]
-        elif _is_plain_attention(mod):
-            if _attention_same_as_stock(mod):
-                mod.forward, mod._fast_module = types.MethodType(_fast_attention_forward, mod), True
-            continue
-        else:
-            continue
-        if _same_as_stock(mod, kernel, width) or (kernel is _norm_kernel and _offset_norm(mod, width)):
-            mod.forward, mod._fast_module = types.MethodType(fast, mod), True
-        else:
-            mod.__dict__.pop("_fast_eps", None)
-            mod.__dict__.pop("_fast_act", None)
-    for mod in model.modules():  # attention modules, once their q / k norms (which come after them) are patched
-        if getattr(mod.__dict__.get("forward"), "__func__", None) is _fast_attention_forward:
+            width = mod.weight.shape[0]
+            plan = next((p for p in (NormPlan(eps), NormPlan(eps, offset=1.0))  # Gemma's norms scale by 1 + weight
+                         if _same_as_stock(mod, _norm_kernel, width, p)), None)
+            if plan is not None:
+                KernelNorm.from_stock(mod, plan)
+        elif ((act := _gated_mlp_act(mod)) is not None and isinstance(mod.gate_proj, PackedLinear)
+              and "kernel" in mod.gate_proj.cpu_plan.by_rows):
+            if _same_as_stock(mod, _mlp_kernel, mod.gate_proj.weight.shape[1], MLPPlan(act)):
+                KernelMLP.from_stock(mod, MLPPlan(act))
+        elif _is_plain_attention(mod) and _attention_same_as_stock(mod):
+            KernelAttention.from_stock(mod, AttentionPlan())
+    for mod in model.modules():  # attention modules, once their q / k norms (which come after them) are swapped
+        if isinstance(mod, KernelAttention):
             _plan_fused_attention(mod)
-    for mod in model.modules():  # decoder layers whose parts are all patched (the loops above reached them first)
-        if "_fast_module" not in mod.__dict__ and _plan_fused_layer(mod):
-            if _layer_same_as_stock(mod):
-                mod.forward, mod._fast_module = types.MethodType(_fast_layer_forward, mod), True
-            else:
-                _unplan(mod)
+    for mod in model.modules():  # decoder layers whose parts are all backend modules (the loops above came first)
+        if not isinstance(mod, BackendModule) and (plan := _plan_fused_layer(mod)) is not None:
+            if _layer_same_as_stock(mod, plan):
+                FusedLayer.from_stock(mod, plan)
     for mod in model.modules():  # base models whose decoder layers all run in one call each
-        if "_fast_module" not in mod.__dict__ and _plan_stack(mod):
-            # checked once per module: the check is of the code paths, and calibration patches a model many times
-            if mod.__dict__.get("_stack_checked") or _stack_same_as_stock(mod):
-                mod._stack_checked = True
-                mod.forward, mod._fast_module = types.MethodType(_fast_stack_forward, mod), True
-            else:
-                _unplan(mod)
+        if not isinstance(mod, BackendModule) and (plan := _plan_stack(mod)) is not None:
+            if mod in _checked_stacks or _stack_same_as_stock(mod, plan):
+                _checked_stacks.add(mod)
+                FusedStack.from_stock(mod, plan)
 
 
 def linear_as(mod: nn.Module, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """`F.linear(x, weight)` in the layout the patched linear layer `mod` uses for this many rows (the stock
-    product when `mod` is not patched): for a product that is not a layer of its own, such as an EAGLE-1 head's
-    logits over the target's lm_head rows of its draft vocabulary."""
-    by_rows = mod.__dict__.get("_fast_by_rows")
-    if by_rows is not None and x.is_cpu and _wants_grad(x, weight):
-        return _grad_linear(mod, x, weight, None)
-    if by_rows is None or _stock_path(x, weight):
+    """`F.linear(x, weight)` in the layout the PackedLinear `mod` uses for this many rows (the stock product when
+    `mod` is not one): for a product that is not a layer of its own, such as an EAGLE-1 head's logits over the
+    target's lm_head rows of its draft vocabulary."""
+    if not isinstance(mod, PackedLinear):
         return F.linear(x, weight)
-    return _apply(x, weight, None, _fitting(by_rows[_row_index(x)], weight))
+    if x.is_cpu and _wants_grad(x, weight):
+        return _grad_linear(mod, x, weight, None)
+    if _stock_path(x, weight):
+        return F.linear(x, weight)
+    return _apply(x, weight, None, _fitting(mod.cpu_plan.by_rows[_row_index(x)], weight))
 
 
 def kernel_rows(mod: nn.Module, rows: int) -> bool:
-    """Whether the patched linear layer `mod` multiplies `rows` rows through the packed kernel (False when it is
-    not patched)."""
-    by_rows = mod.__dict__.get("_fast_by_rows")
-    return by_rows is not None and by_rows[min(rows, MAX_ROWS)] == "kernel"
+    """Whether the PackedLinear `mod` multiplies `rows` rows through the packed kernel (False when it is not one)."""
+    return isinstance(mod, PackedLinear) and mod.cpu_plan.by_rows[min(rows, MAX_ROWS)] == "kernel"
 
 
 def enable_fast_linear(model: nn.Module, plan: Plan | None = None, run: Callable[[int], float] | None = None) -> Plan:
-    """Patch the forward of every `nn.Linear` in `model` (this instance only) to use the measured layouts (`plan`,
-    else the cached or a fresh calibration, by whole passes when `run` is given; see `calibrate`).
-    Idempotent: the patch lives on the modules, so whoever calls `disable_fast_linear` restores them."""
+    """Give every `nn.Linear` in `model` the backend's PackedLinear class with the measured layouts (`plan`, else
+    the cached or a fresh calibration, by whole passes when `run` is given; see `calibrate`), then the norms,
+    MLPs, attention modules, layers and base models theirs (`_patch_modules`). Enabling again replaces the linear
+    layers' plans; whoever calls `disable_fast_linear` gets the stock classes back."""
     if hasattr(getattr(model, "config", None), "_attn_implementation"):
         attention.use(model, True)  # before the layers are planned: their one-call paths need this attention
     plan = plan or load_or_calibrate(model, run)
-    by_shape = {}  # one list per weight shape (read only): a calibration patches a model hundreds of times
+    by_shape = {}  # one list per weight shape (read only): a calibration enables a model hundreds of times
     for mod in _linears(model):
         # the layout for every row count, looked up once here instead of on every call
         key = (_shape_key(mod.weight), kernels.supports(mod.weight))  # what the plan and `_fitting` read
         if key not in by_shape:
             by_shape[key] = [_fitting(plan.layout(mod.weight, max(rows, 1)), mod.weight)
                              for rows in range(MAX_ROWS + 1)]
-        mod._fast_by_rows = by_shape[key]
-        mod.forward = types.MethodType(_fast_forward, mod)
+        if isinstance(mod, PackedLinear):
+            mod.cpu_plan.by_rows = by_shape[key]
+        else:
+            PackedLinear.from_stock(mod, LinearPlan(by_shape[key]))
     _patch_modules(model)
     return plan
 
 
 def disable_fast_linear(model: nn.Module) -> None:
-    """Restore the stock forward of every patched `nn.Linear`, norm and MLP in `model` (shared layers included), and
-    the attention it had."""
+    """The stock class of every backend module in `model` (shared layers included), and the attention it had."""
     if hasattr(getattr(model, "config", None), "_attn_implementation"):
         attention.use(model, False)
     _unpatch(model)
 
 
 def _unpatch(model: nn.Module) -> None:
-    """`disable_fast_linear` but for the attention (calibration patches and unpatches the layers between passes)."""
-    for mod in model.modules():
-        if "_fast_module" in mod.__dict__:
-            del mod.forward, mod._fast_module
-            _unplan(mod)
+    """`disable_fast_linear` but for the attention (calibration enables and disables the layers between passes),
+    and the memory of the kernels' copies of the weights (packed layouts, a norm's 1 + weight)."""
+    for mod in list(model.modules()):
+        if isinstance(mod, BackendModule):
+            mod.to_stock()
             if isinstance(mod._parameters.get("weight"), torch.Tensor):
-                kernels.unpack(mod.weight)  # a norm's 1 + weight
-    for mod in _linears(model):
-        if "forward" in mod.__dict__:
-            del mod.forward
-            del mod._fast_by_rows
-            mod.__dict__.pop("_fast_train", None)
-            kernels.unpack(mod.weight)  # the packed copy the kernel kept (the weight's size again)
+                kernels.unpack(mod.weight)
 
 
 def fast_linear_enabled(model: nn.Module) -> bool:
-    """Whether every linear layer of `model` is patched (a layer it shares with another patched model, such as
+    """Whether every linear layer of `model` is a PackedLinear (a layer it shares with another enabled model, such as
     a head's borrowed lm_head, does not make it so)."""
     mods = _linears(model)
-    return bool(mods) and all("_fast_by_rows" in mod.__dict__ for mod in mods)
+    return bool(mods) and all(isinstance(mod, PackedLinear) for mod in mods)

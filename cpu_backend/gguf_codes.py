@@ -162,7 +162,10 @@ def _row_keys(rows: int, row_values) -> torch.Tensor:
 
 def attach(model: nn.Module, path: str | Path) -> int:
     """Give each float32 weight of `model` that a K-quant tensor of the GGUF file at `path` dequantizes to its codes
-    (`weight._eagle_kquant = (q, D, m)`, read by `kernels.kquant_codes`); returns how many weights got them."""
+    (`kernels.layouts(weight).kquant = (q, D, m)`, read by `kernels.kquant_codes`); returns how many weights got
+    them."""
+    from cpu_backend.kernels import layouts  # kernels decodes through this module: imported here, not at the top
+
     by_shape: dict[tuple, list[torch.Tensor]] = {}
     for p in model.parameters():
         if p.dim() == 2 and p.dtype == torch.float32:
@@ -171,7 +174,7 @@ def attach(model: nn.Module, path: str | Path) -> int:
     for _, dims, kind, offset in _tensors(path):
         if kind not in TYPE_IDS or len(dims) != 2 or dims[0] % QK:
             continue
-        cands = [p for p in by_shape.get((dims[1], dims[0]), ()) if "_eagle_kquant" not in p.__dict__]
+        cands = [p for p in by_shape.get((dims[1], dims[0]), ()) if layouts(p).kquant is None]
         if not cands:
             continue
         q, d, m = tensor_codes(path, dims, TYPE_IDS[kind], offset)
@@ -185,7 +188,7 @@ def attach(model: nn.Module, path: str | Path) -> int:
             codes = q[rows], d[rows], m[rows]
             if all(torch.equal(decode(*(c[a:a + CHUNK] for c in codes)), w[a:a + CHUNK])
                    for a in range(0, dims[1], CHUNK)):
-                p.__dict__["_eagle_kquant"] = codes
+                layouts(p).kquant = codes
                 found += 1
                 break
     return found

@@ -58,6 +58,8 @@ import subprocess
 import sys
 import tempfile
 import threading
+import weakref
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -187,15 +189,13 @@ def load(path: Path) -> ctypes.CDLL:
     lib.rope.argtypes = [vp, vp, vp, i64, i64, i64, i64, i64]
     lib.attend.argtypes = [vp, i64, i64, i64, vp, vp, i64, i64, i64, vp, ctypes.c_int, i64, i64,
                            vp, i64, i64, i64, i64, i64, i64, ctypes.c_float, ctypes.c_int]
-    lib.attention_block.argtypes = [vp, i64, i64, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, ctypes.c_float, i64, i64, i64,
-                                    vp, vp, vp, vp, i64, i64, vp, ctypes.c_int, i64, ctypes.c_float, vp, vp,
-                                    ctypes.c_int]
-    lib.decoder_layer.argtypes = [vp, i64, i64, vp, ctypes.c_float, vp, ctypes.c_float, vp, ctypes.c_float, vp,
-                                  ctypes.c_float, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, ctypes.c_float,
-                                  i64, i64, i64, vp, vp, vp, vp, i64, i64, vp, ctypes.c_int, i64, ctypes.c_float,
-                                  vp, vp, vp, i64, ctypes.c_int, vp, vp, ctypes.c_int]
-    lib.decoder_stack.argtypes = [vp, i64, i64, i64, vp, vp, vp, i64, i64, i64, vp, vp, i64, vp, ctypes.c_int, i64,
-                                  ctypes.c_float, i64, vp, vp, vp, vp, ctypes.c_int]
+    layer = [vp, i64, i64, vp, i64, i64, i64, vp, vp, i64, vp, ctypes.c_int, i64, ctypes.c_float, vp, vp, ctypes.c_int]
+    lib.attention_block.argtypes = layer  # (x, M, hidden, &LayerArgs, heads, kv heads, head size, cos, sin, past,
+    lib.decoder_layer.argtypes = layer    #  mask, mask kind, mask row stride, scale, work, y, threads)
+    lib.decoder_stack.argtypes = [vp, i64, i64, i64, vp, i64, i64, i64, vp, vp, i64, vp, ctypes.c_int, i64,
+                                  ctypes.c_float, vp, vp, vp, vp, ctypes.c_int]
+    lib.layer_args_layout.argtypes, lib.layer_args_layout.restype = [vp], i64
+    lib.layer_args_fields.argtypes, lib.layer_args_fields.restype = [], ctypes.c_char_p
     lib.screen_argmax.argtypes = [vp, vp, vp, ctypes.c_double, ctypes.c_double, vp, vp, i64, i64, i64, vp, vp,
                                   vp, vp, vp, vp, ctypes.c_int]
     lib.screen_argmax.restype = i64
@@ -304,13 +304,55 @@ def version(t: torch.Tensor) -> int:
         return -1
 
 
+@dataclass(eq=False)
+class WeightLayouts:
+    """What the kernels keep for one weight tensor, beside it rather than on it: the layouts made from it (`made`:
+    name -> (the weight's version, address and settings they were made for, the layout)), whether the head's drafts
+    read it in low precision (`draft_precision`), whether the greedy screen reads it (`screen_tables`: its products
+    then keep the float32 path's bits), and the GGUF K-quant codes read for it (`gguf_codes.attach`)."""
+
+    made: dict[str, tuple] = field(default_factory=dict)
+    draft: bool = False
+    screened: bool = False
+    kquant: tuple | None = None
+
+    def nbytes(self) -> int:
+        """Bytes of the tensors kept here."""
+        return sum(t.numel() * t.element_size() for _, v in self.made.values()
+                   for t in (v if isinstance(v, tuple) else (v,)) if isinstance(t, torch.Tensor))
+
+
+# weight id -> (a weak reference to the weight, its WeightLayouts): an entry lives as long as its weight, and a
+# decoding step's ~100 lookups cost a dictionary read each (tensors compare by value, so they cannot be keys)
+_table: dict[int, tuple[weakref.ref, WeightLayouts]] = {}
+
+
+def layouts(weight: torch.Tensor, make: bool = True) -> WeightLayouts | None:
+    """The kernels' WeightLayouts of `weight` (made empty on first use with `make`, else None where there is none)."""
+    key = id(weight)
+    hit = _table.get(key)
+    if hit is not None and hit[0]() is weight:
+        return hit[1]
+    if not make:
+        return None
+
+    def forget(ref, key=key):
+        if _table.get(key, (None,))[0] is ref:
+            del _table[key]
+
+    entry = WeightLayouts()
+    _table[key] = (weakref.ref(weight, forget), entry)
+    return entry
+
+
 def kept(weight: torch.Tensor, name: str, make, *key):
-    """`make(weight)`, made on first use and kept on the tensor itself under `name` until the weight changes in
-    place (an optimizer step) or moves, or `key` or the kernel library changes."""
+    """`make(weight)`, made on first use and kept in the weight's WeightLayouts under `name` until the weight
+    changes in place (an optimizer step) or moves, or `key` or the kernel library changes."""
     full = (version(weight), weight.data_ptr(), id(_lib), *key)
-    hit = weight.__dict__.get(name)
+    made = layouts(weight).made
+    hit = made.get(name)
     if hit is None or hit[0] != full:
-        hit = weight.__dict__[name] = (full, make(weight))
+        hit = made[name] = (full, make(weight))
     return hit[1]
 
 
@@ -444,7 +486,8 @@ def kquant_codes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torc
     """(q [out, in] int8, D, m [out, in / 16] float32) that `gguf_codes.attach` found for a weight dequantized from
     a GGUF K-quant tensor, if they still decode to it (fl(fl(D q) + m); zeros of either sign alike, which gives every
     sum the same bits), else None."""
-    codes = weight.__dict__.get("_eagle_kquant")
+    entry = layouts(weight, make=False)
+    codes = None if entry is None else entry.kquant
     if codes is None or codes[0].shape != weight.shape or weight.dtype != torch.float32:
         return None
     return codes if torch.equal(gguf_codes.decode(*codes), weight.detach()) else None
@@ -483,16 +526,15 @@ def draft_precision(weights: list[torch.Tensor], on: bool = True) -> None:
     (the target checks every token), and this reads a quarter (a half) of float32's bytes; measured, the acceptance
     stays (BENCHMARKS.md)."""
     for w in weights:
-        if on:
-            w.__dict__["_eagle_draft"] = True
-        else:
-            w.__dict__.pop("_eagle_draft", None)
-        w.__dict__.pop("_eagle_address", None)  # `packed` answers again
+        entry = layouts(w)
+        entry.draft = on
+        entry.made.pop("address", None)  # `packed` answers again
 
 
 def in_draft_precision(weight: torch.Tensor) -> bool:
     """Whether `packed` gives `weight` in low precision now (`draft_precision`)."""
-    return (LOW_PRECISION_DRAFTS and "_eagle_draft" in weight.__dict__ and not torch.is_grad_enabled()
+    entry = layouts(weight, make=False)
+    return (LOW_PRECISION_DRAFTS and entry is not None and entry.draft and not torch.is_grad_enabled()
             and supports(weight) and (amx_on() or (INT8_DRAFTS and bool((_lib or library()).int8_products()))))
 
 
@@ -579,7 +621,7 @@ def vnni_on() -> bool:
 
 
 def packed(weight: torch.Tensor) -> int:
-    """Address of `weight` in the kernels' layout, made on first use and kept on the tensor itself until the weight
+    """Address of `weight` in the kernels' layout, made on first use and kept in its WeightLayouts until the weight
     changes in place (an optimizer step) or moves: Q4_1 codes for a weight dequantized from GGUF Q4_1 (0.625 bytes a
     weight; on the FMA path decoded to the same float32 values, so every product keeps its bits; on AMX tiles
     (`amx_on`) summed in another order with float32 accuracy, and so without them in byte products where `VNNI` and
@@ -587,41 +629,35 @@ def packed(weight: torch.Tensor) -> int:
     greedy screen reads), else `pack`'s float32 copy (twice the weight's memory). Each setting of `Q4_1` and `AMX`
     keeps its own copy, so a benchmark can switch between them. A weight `draft_precision` marked is read in int8
     (`pack_i8`, tag 4) or bfloat16 (`pack_bf16`, tag 3) instead where `in_draft_precision` says so. The answer is
-    kept on the weight with every setting it depends on, so a decoding step's ~100 calls cost a dictionary lookup
+    kept there with every setting it depends on, so a decoding step's ~100 calls cost a dictionary lookup
     each."""
-    return kept(weight, "_eagle_address", _packed_address, Q4_1, AMX, VNNI, LOW_PRECISION_DRAFTS, INT8_DRAFTS,
+    return kept(weight, "address", _packed_address, Q4_1, AMX, VNNI, LOW_PRECISION_DRAFTS, INT8_DRAFTS,
                  torch.is_grad_enabled())
 
 
 def _packed_address(weight: torch.Tensor) -> int:
     if in_draft_precision(weight):
         if INT8_DRAFTS and (_lib or library()).int8_products():
-            return kept(weight, "_eagle_packed_i8", _pack_i8)[1]
-        return kept(weight, "_eagle_packed_bf16", _pack_bf16)[1]
+            return kept(weight, "i8", _pack_i8)[1]
+        return kept(weight, "bf16", _pack_bf16)[1]
     amx = amx_on()
-    name = ("_eagle_packed_amx" if amx else "_eagle_packed_q4") if Q4_1 else "_eagle_packed"
+    name = ("amx" if amx else "q4") if Q4_1 else "float32"
     address = kept(weight, name, _pack_any, Q4_1, amx)[1]
     # bit 3: byte products; not for a weight the greedy screen reads, whose argmax is the float32 products' bit for
     # bit (the lm_head: its logits and greedy tokens agree)
-    if address & 7 in (1, 5, 6) and "_eagle_screened" not in weight.__dict__ and vnni_on():
+    if address & 7 in (1, 5, 6) and not layouts(weight).screened and vnni_on():
         assert address & 8 == 0, "a layout's address not 16-byte aligned"
         return address | 8
     return address
 
 
 def unpack(weight: torch.Tensor) -> None:
-    """Drop the copies the kernels keep on `weight` (`packed`, `screen_tables`, a norm's 1 + weight), and their
-    memory."""
-    weight.__dict__.pop("_eagle_packed", None)
-    weight.__dict__.pop("_eagle_packed_q4", None)
-    weight.__dict__.pop("_eagle_packed_amx", None)
-    weight.__dict__.pop("_eagle_packed_bf16", None)
-    weight.__dict__.pop("_eagle_packed_i8", None)
-    weight.__dict__.pop("_eagle_screen", None)
-    weight.__dict__.pop("_eagle_screen_few", None)
-    weight.__dict__.pop("_eagle_screened", None)
-    weight.__dict__.pop("_eagle_address", None)
-    weight.__dict__.pop("_eagle_plus_offset", None)
+    """Drop the copies the kernels keep for `weight` (`packed`, `screen_tables`, a norm's 1 + weight), and their
+    memory; the K-quant codes read for it and its draft mark stay (they are facts about the weight, not copies)."""
+    entry = layouts(weight, make=False)
+    if entry is not None:
+        entry.made.clear()
+        entry.screened = False
 
 
 def rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -696,23 +732,24 @@ def screen_tables(weight: torch.Tensor, rows: int = 16
     (u = 2^-24) of the exact one, relative to sum |w_i x_i| <= |w| |x| (Higham, Accuracy and Stability of
     Numerical Algorithms, 3.1; underflow is the C code's absolute term). C is that sum, from float64, times 1.001
     for the float32 arithmetic of the test itself, rounded up to float32. None for a weight with a NaN or an
-    infinity. Made on first use and kept on the weight like `packed`'s copy (a quarter of its memory more). With
+    infinity. Made on first use and kept beside the weight like `packed`'s copy (a quarter of its memory more). With
     AMX tiles (`amx_on` and a kernel with AMX-INT8) q is laid out for them instead (`pack_screen_tiles`): the same
     integer sums, at about one row's cost for up to 16 rows; for fewer than `SCREEN_TILE_ROWS` `rows` a second copy
     in the pairs layout, kept beside it."""
     lib = _lib or library()
     tiles = bool(lib.screen_tiles()) and amx_on()
     form = "tiles" if tiles and rows >= SCREEN_TILE_ROWS else "pairs" if lib.screen_pairs() else "rows"
-    return kept(weight, "_eagle_screen_few" if tiles and form != "tiles" else "_eagle_screen",
+    return kept(weight, "screen_few" if tiles and form != "tiles" else "screen",
                  lambda w: _screened(w, form), form)
 
 
 def _screened(weight: torch.Tensor, form: str) -> tuple | None:
     """`screen_tables`' tables, made once; the weight marked so that its products keep the float32 path's bits
     (`_packed_address`: the screen's argmax is theirs)."""
-    if "_eagle_screened" not in weight.__dict__:
-        weight.__dict__["_eagle_screened"] = True
-        weight.__dict__.pop("_eagle_address", None)
+    entry = layouts(weight)
+    if not entry.screened:
+        entry.screened = True
+        entry.made.pop("address", None)
     return _screen_tables(weight.detach(), form) if bool(torch.isfinite(weight).all()) else None
 
 
@@ -859,25 +896,65 @@ def _scratch(n: int) -> torch.Tensor:
     return buf
 
 
+class LayerArgs(ctypes.Structure):
+    """The C `layer_args` (csrc/kernels.h): one decoder layer's (or attention module's) weights in the kernels'
+    layouts, sizes, epsilons and cache buffers, passed by pointer to `attention_block`, `decoder_layer` and, an array
+    of them, `decoder_stack`. Its fields mirror the header's list in order; tests/test_backend_modules.py checks
+    names, offsets and size against the compiled library (`layer_args_layout`)."""
+
+    _fields_ = [*((name, ctypes.c_void_p) for name in (
+                    "norm1", "norm2", "out_norm1", "out_norm2", "wq", "bq", "wk", "bk", "wv", "bv", "wo", "bo",
+                    "q_norm", "k_norm", "gate", "up", "down", "k_cache", "v_cache")),
+                ("kv_sh", ctypes.c_int64), ("inter", ctypes.c_int64),
+                *((name, ctypes.c_float) for name in ("eps1", "eps2", "eps_out1", "eps_out2", "eps_qk")),
+                ("act", ctypes.c_int32)]
+
+
+def layer_args(projs: tuple = (), norms: tuple | None = None, mlp: tuple | None = None,
+               qk_norms: tuple | None = None, out_norms: tuple | None = None, act: int = 0,
+               k_buf: torch.Tensor | None = None, v_buf: torch.Tensor | None = None) -> LayerArgs:
+    """A LayerArgs of tensors: projs = (q weight, q bias, k weight, k bias, v weight, v bias, o weight, o bias), biases
+    None or contiguous; norms = (input norm weight or None for no input norm, eps, the MLP's input norm weight, eps);
+    mlp = (gate, up, down weights); qk_norms None or (q norm weight, k norm weight, eps): each head's query and key
+    normed before the rotation (Qwen3, Gemma-3); out_norms None or Gemma-3's (attention output norm weight, eps,
+    MLP output norm weight, eps); act: `rows_gated`'s; the cache buffers [1, kv_heads, capacity, head_dim]. Weights
+    are given as their `packed` addresses."""
+    a = LayerArgs()
+    if projs:
+        a.wq, a.bq, a.wk, a.bk, a.wv, a.bv, a.wo, a.bo = _projection_ptrs(projs)
+    if norms is not None:
+        a.norm1, a.eps1, a.norm2, a.eps2 = _ptr(norms[0]), norms[1], norms[2].data_ptr(), norms[3]
+    if mlp is not None:
+        a.gate, a.up, a.down = (packed(w) for w in mlp)
+        a.inter = mlp[0].shape[0]
+    if qk_norms is not None:
+        a.q_norm, a.k_norm, a.eps_qk = qk_norms[0].data_ptr(), qk_norms[1].data_ptr(), qk_norms[2]
+    if out_norms is not None:
+        a.out_norm1, a.eps_out1, a.out_norm2, a.eps_out2 = (out_norms[0].data_ptr(), out_norms[1],
+                                                            out_norms[2].data_ptr(), out_norms[3])
+    a.act = act
+    if k_buf is not None:
+        a.k_cache, a.v_cache, a.kv_sh = k_buf.data_ptr(), v_buf.data_ptr(), k_buf.stride(1)
+    return a
+
+
 def attention_block(x: torch.Tensor, projs: tuple, heads: int, kv_heads: int, head_dim: int, cos: torch.Tensor,
                     sin: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, past: int,
                     mask: torch.Tensor | None, scale: float, qk_norms: tuple | None = None) -> torch.Tensor:
     """A Llama-style attention module's forward for x [1, M, hidden] in one C call, with the results of
-    `rows_linear`, `rms_norm`, `rope_` and `attend` bit for bit. projs = (q weight, q bias, k weight, k bias, v weight,
-    v bias, o weight, o bias), biases None or contiguous; qk_norms None or (q norm weight, k norm weight, eps): each
-    head's query and key normed before the rotation (Qwen3, Gemma-3). The new keys and values are written into the
-    cache buffers k_buf / v_buf [1, kv_heads, capacity >= past + M, head_dim] (contiguous) at positions
-    past .. past + M - 1;
-    mask is None (M = 1) or [1, 1, M, >= past + M] with its last axis contiguous, bool or additive float32;
-    cos / sin [1, M, head_dim] contiguous. The caller checked all of it. Returns [1, M, hidden]."""
+    `rows_linear`, `rms_norm`, `rope_` and `attend` bit for bit; projs and qk_norms as `layer_args`'. The new keys
+    and values are written into the cache buffers k_buf / v_buf [1, kv_heads, capacity >= past + M, head_dim]
+    (contiguous) at positions past .. past + M - 1; mask is None (M = 1) or [1, 1, M, >= past + M] with its last
+    axis contiguous, bool or additive float32; cos / sin [1, M, head_dim] contiguous. The caller checked all of it.
+    Returns [1, M, hidden]."""
     m, hid = x.shape[1], x.shape[2]
     y = x.new_empty(1, m, projs[6].shape[0])
     work = _scratch(m * (2 * heads + 2 * kv_heads) * head_dim)
     kind, mask_sm = _mask_rows(mask)
+    args = layer_args(projs, qk_norms=qk_norms, k_buf=k_buf, v_buf=v_buf)
     (_lib or library()).attention_block(
-        x.data_ptr(), m, hid, *_projection_ptrs(projs), *_qk_args(qk_norms), heads, kv_heads, head_dim,
-        cos.data_ptr(), sin.data_ptr(), k_buf.data_ptr(), v_buf.data_ptr(), k_buf.stride(1), past, _ptr(mask), kind,
-        mask_sm, scale, work.data_ptr(), y.data_ptr(), torch.get_num_threads())
+        x.data_ptr(), m, hid, ctypes.addressof(args), heads, kv_heads, head_dim, cos.data_ptr(), sin.data_ptr(),
+        past, _ptr(mask), kind, mask_sm, scale, work.data_ptr(), y.data_ptr(), torch.get_num_threads())
     return y
 
 
@@ -886,53 +963,38 @@ def decoder_layer(x: torch.Tensor, norms: tuple, projs: tuple, mlp: tuple, heads
                   past: int, mask: torch.Tensor | None, scale: float, qk_norms: tuple | None = None,
                   out_norms: tuple | None = None, act: int = 0) -> torch.Tensor:
     """A Llama-style decoder layer's forward for x [1, M, hidden] in one C call: `rms_norm`, `attention_block`,
-    the residual sum, `rms_norm`, `rows_gated`, `rows_linear`, the residual sum, bit for bit. norms = (input norm
-    weight or None for no input norm, eps, the MLP's input norm weight, eps); mlp = (gate, up, down weights); the
-    rest as `attention_block`. Gemma-3's layers: out_norms = (attention output norm weight, eps, MLP output norm
-    weight, eps), each applied before its residual sum; act = GELU_TANH; qk_norms as `attention_block`'s."""
+    the residual sum, `rms_norm`, `rows_gated`, `rows_linear`, the residual sum, bit for bit; the layer's parts as
+    `layer_args`' (Gemma-3's layers: out_norms, each applied before its residual sum, and act = GELU_TANH), the
+    rest as `attention_block`'s."""
     m, hid = x.shape[1], x.shape[2]
-    inter = mlp[0].shape[0]
     y = x.new_empty(1, m, hid)
-    work = _scratch(m * (3 * hid + inter + (2 * heads + 2 * kv_heads) * head_dim))
+    work = _scratch(m * (3 * hid + mlp[0].shape[0] + (2 * heads + 2 * kv_heads) * head_dim))
     kind, mask_sm = _mask_rows(mask)
+    args = layer_args(projs, norms, mlp, qk_norms, out_norms, act, k_buf, v_buf)
     (_lib or library()).decoder_layer(
-        x.data_ptr(), m, hid, _ptr(norms[0]), norms[1], norms[2].data_ptr(), norms[3],
-        *((out_norms[0].data_ptr(), out_norms[1], out_norms[2].data_ptr(), out_norms[3]) if out_norms
-          else (None, 0.0, None, 0.0)),
-        *_projection_ptrs(projs), *_qk_args(qk_norms), heads, kv_heads, head_dim, cos.data_ptr(), sin.data_ptr(),
-        k_buf.data_ptr(), v_buf.data_ptr(), k_buf.stride(1), past, _ptr(mask), kind, mask_sm, scale,
-        packed(mlp[0]), packed(mlp[1]), packed(mlp[2]), inter, act, work.data_ptr(), y.data_ptr(),
-        torch.get_num_threads())
+        x.data_ptr(), m, hid, ctypes.addressof(args), heads, kv_heads, head_dim, cos.data_ptr(), sin.data_ptr(),
+        past, _ptr(mask), kind, mask_sm, scale, work.data_ptr(), y.data_ptr(), torch.get_num_threads())
     return y
 
 
-def _qk_args(qk_norms: tuple | None) -> tuple:
-    """The C calls' (q norm address, k norm address, eps) for `qk_norms` (None: no q / k norms)."""
-    return (qk_norms[0].data_ptr(), qk_norms[1].data_ptr(), qk_norms[2]) if qk_norms else (None, None, 0.0)
+def stack_layers(layers: list[LayerArgs]) -> ctypes.Array:
+    """`decoder_stack`'s table: the layers' LayerArgs (weights and cache buffers set) as one C array."""
+    return (LayerArgs * len(layers))(*layers)
 
 
-STACK_SLOTS = 15  # addresses per layer in a `decoder_stack` table
-
-
-def stack_weights(norm1: torch.Tensor, norm2: torch.Tensor, projs: tuple, mlp: tuple) -> list:
-    """One layer's weight addresses for a `decoder_stack` table (its first 13 slots): input norm, post-attention
-    norm, the attention's (packed weight, bias or 0) pairs, the packed gate, up and down weights."""
-    return [norm1.data_ptr(), norm2.data_ptr(), *(a or 0 for a in _projection_ptrs(projs)), *(packed(w) for w in mlp)]
-
-
-def decoder_stack(x: torch.Tensor, table: torch.Tensor, eps: torch.Tensor, kv_strides: torch.Tensor, heads: int,
-                  kv_heads: int, head_dim: int, inter: int, cos: torch.Tensor, sin: torch.Tensor, past: int,
-                  mask: torch.Tensor | None, scale: float, keep: torch.Tensor | None = None) -> torch.Tensor:
-    """Every layer of a Llama-style decoder in one C call: `decoder_layer` on each in turn, bit for bit.
-    table [L, STACK_SLOTS] int64 addresses (`stack_weights` + the layer's key and value buffers), eps [L, 2] float32,
-    kv_strides [L] int64 (each key buffer's stride(1)); keep: None or [L - 1, M, hidden], which receives every
-    layer's output but the last; the rest as `decoder_layer`. Returns the last layer's output [1, M, hidden]."""
+def decoder_stack(x: torch.Tensor, table: ctypes.Array, heads: int, kv_heads: int, head_dim: int, inter: int,
+                  cos: torch.Tensor, sin: torch.Tensor, past: int, mask: torch.Tensor | None, scale: float,
+                  keep: torch.Tensor | None = None) -> torch.Tensor:
+    """Every layer of a Llama-style decoder in one C call: `decoder_layer` on each in turn, bit for bit. table: the
+    layers' LayerArgs (`stack_layers`), inter the largest intermediate size; keep: None or [L - 1, M, hidden], which
+    receives every layer's output but the last; the rest as `decoder_layer`. Returns the last layer's output
+    [1, M, hidden]."""
     m, hid = x.shape[1], x.shape[2]
     y, spare = x.new_empty(1, m, hid), x.new_empty(1, m, hid)
     work = _scratch(m * (3 * hid + inter + (2 * heads + 2 * kv_heads) * head_dim))
     kind, mask_sm = _mask_rows(mask)
     (_lib or library()).decoder_stack(
-        x.data_ptr(), m, hid, table.shape[0], table.data_ptr(), eps.data_ptr(), kv_strides.data_ptr(), heads,
-        kv_heads, head_dim, cos.data_ptr(), sin.data_ptr(), past, _ptr(mask), kind, mask_sm, scale, inter,
-        work.data_ptr(), spare.data_ptr(), y.data_ptr(), _ptr(keep), torch.get_num_threads())
+        x.data_ptr(), m, hid, len(table), ctypes.addressof(table), heads, kv_heads, head_dim, cos.data_ptr(),
+        sin.data_ptr(), past, _ptr(mask), kind, mask_sm, scale, work.data_ptr(), spare.data_ptr(), y.data_ptr(),
+        _ptr(keep), torch.get_num_threads())
     return y

@@ -121,7 +121,7 @@ def test_greedy_steps_draft_the_module_paths_bits(monkeypatch, layers, draft_voc
     dec = SpeculativeDecoder(target, head)
     dec.use_fast_path(True)
     lm = target.lm_head  # the draft screen, as for SmolLM2's lm_head (this tiny one's plan prefers torch)
-    monkeypatch.setitem(lm.__dict__, "_fast_by_rows", ["kernel"] * len(lm._fast_by_rows))
+    monkeypatch.setattr(lm.cpu_plan, "by_rows", ["kernel"] * len(lm.cpu_plan.by_rows))
     fast, modules = EagleProposer(head), EagleProposer(head)
     modules._steps = False  # no steps: the module path
     g = torch.Generator().manual_seed(0)

@@ -73,7 +73,7 @@ def test_every_family_decodes_as_transformers_greedy(family):
         assert dec.generate(PROMPT, 32, **cfg).token_ids == plain.token_ids, cfg
     # attention modules with q / k norms (Qwen3, Gemma-3) run the kernel attention too, norms included
     if family not in ("phi3", "gpt2", "falcon"):
-        assert target.base.layers[0].self_attn.__dict__.get("_fast_module")
+        assert type(target.base.layers[0].self_attn).__name__ == "KernelAttention"
     stock = dec.generate(PROMPT, 32, num_speculative_tokens=3, cpu=CPUConfig(fast_path=False))
     assert stock.token_ids == plain.token_ids
     if family == "gemma3-multimodal":  # stop tokens from the model's config and its text config, each once
@@ -91,7 +91,9 @@ def test_layers_with_qk_norms_run_in_one_call_with_their_parts_bits(family):
 
     from cpu_backend import kernels
     from eagle.attention import use_gqa_sdpa
-    from cpu_backend.fastpath import BUCKETS, Plan, disable_fast_linear, enable_fast_linear
+    from cpu_backend.fastpath import (BUCKETS, FusedLayer, KernelAttention, KernelMLP, Plan, disable_fast_linear,
+                                      enable_fast_linear)
+    from cpu_backend.modules import BackendModule
 
     target = tiny_family(family)
     plan = Plan(layouts={f"{m.weight.shape[0]}x{m.weight.shape[1]}": {b: "kernel" for b in BUCKETS}
@@ -99,9 +101,10 @@ def test_layers_with_qk_norms_run_in_one_call_with_their_parts_bits(family):
     use_gqa_sdpa(target.model, True)
     enable_fast_linear(target.model, plan)
     layers = list(target.base.layers)
-    assert all("_fast_module" in m.__dict__ for layer in layers for m in (layer, layer.self_attn, layer.mlp))
-    assert layers[0].mlp._fast_act == (kernels.GELU_TANH if family == "gemma3" else 0)
-    assert "_fast_module" not in target.base.__dict__  # not all layers in one call: its table has no q / k norms
+    assert all(isinstance(layer, FusedLayer) and isinstance(layer.self_attn, KernelAttention)
+               and isinstance(layer.mlp, KernelMLP) for layer in layers)
+    assert layers[0].mlp.cpu_plan.act == (kernels.GELU_TANH if family == "gemma3" else 0)
+    assert not isinstance(target.base, BackendModule)  # not all layers in one call: its table has no q / k norms
     g = torch.Generator().manual_seed(5)
     prefix, nodes = torch.randint(4, 90, (1, 9), generator=g), torch.randint(4, 90, (1, 6), generator=g)
     parents = torch.tensor([-1, 0, 0, 1, 2, 4])
@@ -114,10 +117,10 @@ def test_layers_with_qk_norms_run_in_one_call_with_their_parts_bits(family):
             kernels.decoder_layer = one_call
         assert calls == [6, 6]  # the tree pass; the prefill's causal mask is sdpa's is_causal: the layers' parts
         for layer in layers:
-            del layer.forward, layer._fast_module
+            layer.to_stock()
         fused_attention = _verify_logits(target, prefix, nodes, parents)
         for layer in layers:
-            del layer.self_attn.forward, layer.self_attn._fast_module
+            layer.self_attn.to_stock()
         parts = _verify_logits(target, prefix, nodes, parents)
     assert torch.equal(one_call_layers, parts) and torch.equal(fused_attention, parts)
     disable_fast_linear(target.model)

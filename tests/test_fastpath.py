@@ -6,8 +6,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from cpu_backend import fastpath, kernels
-from cpu_backend.fastpath import (BUCKETS, LAYOUTS, Plan, calibrate, disable_fast_linear, enable_fast_linear,
-                              fast_linear_enabled, linear)
+from cpu_backend.fastpath import (BUCKETS, LAYOUTS, FusedLayer, FusedStack, KernelAttention, PackedLinear, Plan,
+                                  calibrate, disable_fast_linear, enable_fast_linear, fast_linear_enabled, linear)
+from cpu_backend.modules import BackendModule
 from eagle.attention import use_gqa_sdpa
 from cpu_backend import CPUConfig
 from infer import SpeculativeDecoder
@@ -77,11 +78,14 @@ def test_plan_keeps_the_kernel_unless_another_layout_is_clearly_faster():
 
 def test_enable_then_remove_restores_the_stock_forward():
     model = nn.Sequential(nn.Linear(16, 48), nn.Linear(48, 16))
+    params = list(model.parameters())
     wxt = Plan(layouts={k: {b: "wxt" for b in BUCKETS} for k in ("48x16", "16x48")})
     x = torch.randn(2, 3, 16)
     want = model(x)
     enable_fast_linear(model, wxt)
-    assert all("forward" in m.__dict__ for m in model)
+    assert all(type(m).__name__ == "PackedLinear" and isinstance(m, nn.Linear) for m in model)
+    assert list(model.parameters()) == params and list(model.state_dict()) == ["0.weight", "0.bias", "1.weight",
+                                                                                 "1.bias"]
     with torch.no_grad():
         torch.testing.assert_close(model(x), want)
     # with gradients the stock forward runs, so training is unaffected
@@ -89,7 +93,7 @@ def test_enable_then_remove_restores_the_stock_forward():
     model(xg).sum().backward()
     assert xg.grad is not None
     disable_fast_linear(model)
-    assert not any("forward" in m.__dict__ or hasattr(m, "_fast_by_rows") for m in model)
+    assert all(type(m) is nn.Linear and not m.__dict__.keys() - nn.Linear(2, 2).__dict__.keys() for m in model)
 
 
 def test_speculative_greedy_equals_plain_greedy_with_fast_linear_on_and_off():
@@ -101,11 +105,11 @@ def test_speculative_greedy_equals_plain_greedy_with_fast_linear_on_and_off():
     plain_on = dec.generate(prompt, max_new_tokens=24, speculative=False).token_ids
     spec_on = dec.generate(prompt, max_new_tokens=24, num_speculative_tokens=3).token_ids
     assert fast_linear_enabled(target.model) and fast_linear_enabled(dec.head)
-    assert "forward" in dec.head.fc.__dict__  # the head's own layers, not only the lm_head it shares
+    assert isinstance(dec.head.fc, PackedLinear)  # the head's own layers, not only the lm_head it shares
     assert plain_on == plain_off == spec_on
     dec.generate(prompt, max_new_tokens=4, cpu=CPUConfig(fast_path=False))
     assert not fast_linear_enabled(target.model) and not fast_linear_enabled(dec.head)
-    assert not any("forward" in m.__dict__ for m in target.model.modules())
+    assert not any(isinstance(m, BackendModule) for m in target.model.modules())
     double = tiny_target()  # float64: the stock modules, the backend left out
     SpeculativeDecoder(double, tiny_head(double)).generate(prompt, max_new_tokens=4, num_speculative_tokens=3)
     assert not fast_linear_enabled(double.model)
@@ -174,21 +178,22 @@ def test_norms_and_gated_mlps_are_patched_only_where_the_kernel_matches_them():
     with torch.no_grad():
         want = model(ids).logits
         enable_fast_linear(model, Plan(layouts={}))  # every linear stock: the MLPs keep their stock forward
-        assert not any(getattr(m, "_fast_module", False) for m in model.modules() if hasattr(m, "gate_proj"))
+        assert not any(isinstance(m, BackendModule) for m in model.modules() if hasattr(m, "gate_proj"))
         disable_fast_linear(model)
         enable_fast_linear(model, Plan(layouts={k: {b: "kernel" for b in BUCKETS} for k in
                                                 {f"{m.weight.shape[0]}x{m.weight.shape[1]}" for m in
                                                  model.modules() if isinstance(m, nn.Linear)}}))
-        patched = {type(m).__name__ for m in model.modules() if m.__dict__.get("_fast_module")}
+        patched = {m.stock.__name__ for m in model.modules() if isinstance(m, BackendModule)
+                   and not isinstance(m, nn.Linear)}
         # (enabling switched the attention to the backend's, so the base model runs all its layers in one call too)
         assert patched == {"LlamaRMSNorm", "LlamaMLP", "LlamaAttention", "LlamaDecoderLayer", "GemmaLikeRMSNorm",
                            "LlamaModel"}
         x = torch.randn(3, model.config.hidden_size)
-        assert model.odd_norm._fast_offset == 1.0
+        assert model.odd_norm.cpu_plan.offset == 1.0
         torch.testing.assert_close(model.odd_norm(x), _OnePlusNorm.forward(model.odd_norm, x))
         torch.testing.assert_close(model(ids).logits, want, rtol=1e-4, atol=1e-4)
         disable_fast_linear(model)
-        assert not any("forward" in m.__dict__ for m in model.modules())
+        assert not any(isinstance(m, BackendModule) for m in model.modules())
         assert torch.equal(model(ids).logits, want)
 
 
@@ -206,8 +211,8 @@ def test_attention_modules_and_layers_are_patched_bit_for_bit_and_only_plain_one
     enable_fast_linear(target.model, plan)
     layers = list(target.model.model.layers)
     attn = [layer.self_attn for layer in layers]
-    assert ["_fast_module" in a.__dict__ for a in attn] == [False, True, True]
-    assert ["_fast_module" in layer.__dict__ for layer in layers] == [False, True, True]
+    assert [isinstance(a, KernelAttention) for a in attn] == [False, True, True]
+    assert [isinstance(layer, FusedLayer) for layer in layers] == [False, True, True]
     g = torch.Generator().manual_seed(5)
     prefix, nodes = torch.randint(0, 96, (1, 9), generator=g), torch.randint(0, 96, (1, 6), generator=g)
     parents = torch.tensor([-1, 0, 0, 1, 2, 4])
@@ -221,10 +226,10 @@ def test_attention_modules_and_layers_are_patched_bit_for_bit_and_only_plain_one
             kernels.decoder_layer = one_call
         assert calls == [6, 6]  # the prefill's causal mask is skipped (sdpa's is_causal): its layers run their parts
         for layer in layers[1:]:
-            del layer.forward, layer._fast_module
+            layer.to_stock()
         fused_attention = _verify_logits(target, prefix, nodes, parents)
         for a in attn[1:]:
-            del a.forward, a._fast_module
+            a.to_stock()
         stock = _verify_logits(target, prefix, nodes, parents)
     assert torch.equal(one_call_layers, stock) and torch.equal(fused_attention, stock)
     disable_fast_linear(target.model)
@@ -244,7 +249,7 @@ def test_every_layer_in_one_call_gives_the_one_call_layers_bits():
     use_gqa_sdpa(target.model, True)
     enable_fast_linear(target.model, plan)
     base = target.model.model
-    assert base.__dict__.get("_fast_module") and base._stack_rows[1] and base._stack_rows[64]
+    assert isinstance(base, FusedStack) and base.cpu_plan.rows[1] and base.cpu_plan.rows[64]
     g = torch.Generator().manual_seed(5)
     prefix, nodes = torch.randint(0, 96, (1, 9), generator=g), torch.randint(0, 96, (1, 6), generator=g)
     parents = torch.tensor([-1, 0, 0, 1, 2, 4])
@@ -259,7 +264,8 @@ def test_every_layer_in_one_call_gives_the_one_call_layers_bits():
             feats, hidden = target.hidden(nodes[:, :1], position_ids=torch.tensor([[9]]), cache=cache.hf, layers=[1])
             causal = target.features(nodes, position_ids=torch.arange(9, 15)[None], cache=_prefilled(target, prefix))
             assert calls == [6, 1, 1, 6]  # the prefill has no mask (sdpa's is_causal): its layers run their parts
-            fast = base.__dict__.pop("forward")
+            plan = base.cpu_plan
+            base.to_stock()
             assert torch.equal(_verify_logits(target, prefix, nodes, parents), tree_pass)
             assert torch.equal(_verify_logits(target, prefix, nodes[:, :1], parents[:1]), one_row)
             want = target.hidden(nodes[:, :1], position_ids=torch.tensor([[9]]), cache=_prefilled(target, prefix),
@@ -267,39 +273,40 @@ def test_every_layer_in_one_call_gives_the_one_call_layers_bits():
             assert torch.equal(want[0], feats) and torch.equal(want[1], hidden)
             assert torch.equal(target.features(nodes, position_ids=torch.arange(9, 15)[None],
                                                cache=_prefilled(target, prefix)), causal)
-            base.forward = fast
+            FusedStack.from_stock(base, plan)
             # a weight changed in place: the stack's table of addresses is made again (a new layout of it)
             base.layers[1].mlp.down_proj.weight.mul_(2)
             changed = target.features(nodes, position_ids=torch.arange(9, 15)[None], cache=_prefilled(target, prefix))
             assert calls[-1] == 6 and not torch.equal(changed, causal)
-            fast = base.__dict__.pop("forward")
+            base.to_stock()
             assert torch.equal(target.features(nodes, position_ids=torch.arange(9, 15)[None],
                                                cache=_prefilled(target, prefix)), changed)
-            base.forward = fast
+            FusedStack.from_stock(base, plan)
     finally:
         kernels.decoder_stack = stack
     disable_fast_linear(target.model)
-    assert "forward" not in base.__dict__ and "_stack_rows" not in base.__dict__
+    assert not isinstance(base, BackendModule) and "cpu_plan" not in base.__dict__
     use_gqa_sdpa(target.model, False)
 
 
 def test_rotary_table_rows_are_the_modules_own_bits():
     # the stack's rotary (cos, sin) come from a table the module made in one call: the same bits as the module's
     # own call at any positions, in any order; past the model's maximum the module's own call
-    from cpu_backend.fastpath import _rotary
+    from cpu_backend.fastpath import StackPlan, _rotary
 
     target = tiny_target(dtype=torch.float32, hidden=64, layers=2)
     base = target.model.model
     size = base.config.max_position_embeddings
     x = torch.randn(1, 3, 64)
     g = torch.Generator().manual_seed(0)
+    plan = StackPlan(dims=(), rows=[])
     for pos in [torch.arange(3), torch.randint(0, size, (3,), generator=g), torch.tensor([size - 1, 0, 7])]:
         want = base.rotary_emb(x, position_ids=pos[None])
-        got = _rotary(base, x, pos[None])
+        got = _rotary(base, plan, x, pos[None])
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
-    assert base._rope_table[2].shape[1] == size  # 512 positions: the whole table at once
+    assert plan.rope[2].shape[1] == size  # 512 positions: the whole table at once
     past_end = torch.tensor([[size, size + 1, size + 2]])
-    assert torch.equal(_rotary(base, x, past_end)[0], base.rotary_emb(x, position_ids=past_end)[0])
+    assert torch.equal(_rotary(base, plan, x, past_end)[0], base.rotary_emb(x, position_ids=past_end)[0])
 
 
 def _prefilled(target, prefix):
@@ -339,7 +346,8 @@ def test_training_products_take_the_path_measured_faster(tmp_path, monkeypatch):
                                             "32x96": {r: "kernel" for r in BUCKETS}}))
     timings = fl.plan_training(model, rows=64, repeats=1)
     assert set(timings) == {"96x64", "32x96"} and all(set(t) == {"kernel", "linear"} for t in timings.values())
-    assert [m._fast_train for m in model] == [timings[k]["kernel"] < timings[k]["linear"] for k in ("96x64", "32x96")]
+    assert [m.cpu_plan.train for m in model] == [timings[k]["kernel"] < timings[k]["linear"]
+                                                 for k in ("96x64", "32x96")]
     monkeypatch.setattr(fl, "_time_training", None)  # the second time the cached timings decide
     assert fl.plan_training(model, rows=64, repeats=1) == timings
 
@@ -348,12 +356,12 @@ def test_training_products_take_the_path_measured_faster(tmp_path, monkeypatch):
     x = torch.randn(5, 64, requires_grad=True)
     for choice in (True, False):
         for m in model:
-            m._fast_train = choice
+            m.cpu_plan.train = choice
         calls.clear()
         model(x).sum().backward()
         assert len(calls) == (2 if choice else 0)
     disable_fast_linear(model)
-    assert not any("_fast_train" in m.__dict__ for m in model)
+    assert not any(isinstance(m, BackendModule) or "cpu_plan" in m.__dict__ for m in model)
 
 
 def _check_screen_against_the_kernel(seed: int) -> None:

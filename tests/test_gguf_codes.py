@@ -43,7 +43,7 @@ def _kquant_weight(out_f: int, in_f: int, generator: torch.Generator, kind: str 
     q, d, m = (torch.from_numpy(a) for a in gguf_codes.decode_blocks(raw, kind))
     q, d, m = q.reshape(out_f, in_f), d.reshape(out_f, in_f // 16), m.reshape(out_f, in_f // 16)
     w = torch.from_numpy(dequantize(raw.reshape(-1), GGMLQuantizationType[kind]).reshape(out_f, in_f)).clone()
-    w.__dict__["_eagle_kquant"] = (q, d, m)
+    kernels.layouts(w).kquant = (q, d, m)
     return w
 
 
@@ -92,7 +92,7 @@ def test_codes_are_matched_to_weights_by_rows_through_a_gguf_file(tmp_path):
     for p in (model.a, model.b):
         q, d, m = kernels.kquant_codes(p)
         assert torch.equal(gguf_codes.decode(q, d, m), p)
-    assert "_eagle_kquant" not in model.c.__dict__
+    assert kernels.layouts(model.c).kquant is None and not model.c.__dict__
 
 
 def test_a_target_with_k_quant_weights_decodes_the_same_with_and_without_the_codes(monkeypatch, kernel_path):
@@ -108,7 +108,7 @@ def test_a_target_with_k_quant_weights_decodes_the_same_with_and_without_the_cod
             if isinstance(mod, torch.nn.Linear) and mod.weight.shape[1] % 256 == 0:
                 w = _kquant_weight(*mod.weight.shape, g, "Q6_K" if mod.weight.shape[0] % 64 else "Q4_K")
                 mod.weight.copy_(w)
-                mod.weight.__dict__["_eagle_kquant"] = w.__dict__["_eagle_kquant"]
+                kernels.layouts(mod.weight).kquant = kernels.layouts(w).kquant
     dec = SpeculativeDecoder(target, tiny_head(target))
     prompt, layer = [5, 9, 14, 22, 7], target.model.model.layers[0].self_attn.q_proj.weight
     if kernel_path == "vnni":

@@ -138,7 +138,7 @@ def test_two_timing_plans_route_smollm2_differently_and_give_the_same_tokens(smo
     for plan, one_call in ((kernel, True), (mixed, False)):
         enable_fast_linear(smollm2.model, plan)
         try:
-            assert smollm2.model.model.layers[0]._fused_rows[1] == one_call  # a one-token pass's route
+            assert smollm2.model.model.layers[0].cpu_plan.rows[1] == one_call  # a one-token pass's route
             assert SpeculativeDecoder(smollm2, None).generate(ids, 48, speculative=False).token_ids == want
         finally:
             disable_fast_linear(smollm2.model)

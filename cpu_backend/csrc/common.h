@@ -5,6 +5,7 @@
 #ifndef EAGLE_CPU_COMMON_H
 #define EAGLE_CPU_COMMON_H
 #include <math.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>

@@ -87,28 +87,45 @@ void attend(const float *Q, int64_t q_sb, int64_t q_sh, int64_t q_sm,
             const void *mask, int mask_kind, int64_t mask_sb, int64_t mask_sm,
             float *O, int64_t B, int64_t H, int64_t rep, int64_t M, int64_t L, int64_t D, float scale, int nthreads);
 void kv_compact(const int64_t *B, int64_t n, int64_t start, const int64_t *keep, int64_t m);
-void attention_block(const float *X, int64_t M, int64_t hid,
-                     const float *Wq, const float *Bq, const float *Wk, const float *Bk,
-                     const float *Wv, const float *Bv, const float *Wo, const float *Bo,
-                     const float *Wqn, const float *Wkn, float eps_qk,
-                     int64_t H, int64_t Hkv, int64_t D, const float *cos, const float *sin,
-                     float *K, float *V, int64_t kv_sh, int64_t past,
+/* One decoder layer (or attention module) for attention_block, decoder_layer and decoder_stack: its weights in the
+   kernels' layouts (packed and tagged addresses; NULL where a layer has no such part), sizes, epsilons and cache
+   buffers. Declared once, here, as a list of (type, name) that makes the struct, layer_args_layout's offsets and
+   layer_args_fields' names: cpu_backend/kernels.py mirrors it as the ctypes Structure LayerArgs, and
+   tests/test_backend_modules.py checks the two agree. */
+#define LAYER_ARGS(X) \
+    X(const float *, norm1)      /* input norm (NULL: none, an EAGLE head's first layer) */ \
+    X(const float *, norm2)      /* the MLP's input norm (post-attention) */ \
+    X(const float *, out_norm1)  /* Gemma-3's norm of the attention's output, or NULL */ \
+    X(const float *, out_norm2)  /* Gemma-3's norm of the MLP's output, or NULL */ \
+    X(const float *, wq) X(const float *, bq) X(const float *, wk) X(const float *, bk) \
+    X(const float *, wv) X(const float *, bv) X(const float *, wo) X(const float *, bo) \
+    X(const float *, q_norm)     /* Qwen3's, Gemma-3's per-head query norm, or NULL */ \
+    X(const float *, k_norm)     /* ... key norm */ \
+    X(const float *, gate) X(const float *, up) X(const float *, down) \
+    X(float *, k_cache)          /* [H_kv, capacity, D] */ \
+    X(float *, v_cache) \
+    X(int64_t, kv_sh)            /* the caches' head stride */ \
+    X(int64_t, inter)            /* the MLP's intermediate size */ \
+    X(float, eps1) X(float, eps2) X(float, eps_out1) X(float, eps_out2) X(float, eps_qk) \
+    X(int32_t, act)              /* rows_gated's: 0 SiLU, 1 GELU's tanh form */
+#define LAYER_ARGS_FIELD(type, name) type name;
+typedef struct { LAYER_ARGS(LAYER_ARGS_FIELD) } layer_args;
+#undef LAYER_ARGS_FIELD
+
+void attention_block(const float *X, int64_t M, int64_t hid, const layer_args *w,
+                     int64_t H, int64_t Hkv, int64_t D, const float *cos, const float *sin, int64_t past,
                      const void *mask, int mask_kind, int64_t mask_sm, float scale,
                      float *work, float *Y, int nthreads);
-void decoder_layer(const float *X, int64_t M, int64_t hid, const float *Wn1, float eps1, const float *Wn2, float eps2,
-                   const float *Wpa, float eps_pa, const float *Wpf, float eps_pf,
-                   const float *Wq, const float *Bq, const float *Wk, const float *Bk,
-                   const float *Wv, const float *Bv, const float *Wo, const float *Bo,
-                   const float *Wqn, const float *Wkn, float eps_qk,
-                   int64_t H, int64_t Hkv, int64_t D, const float *cos, const float *sin,
-                   float *K, float *V, int64_t kv_sh, int64_t past,
+void decoder_layer(const float *X, int64_t M, int64_t hid, const layer_args *w,
+                   int64_t H, int64_t Hkv, int64_t D, const float *cos, const float *sin, int64_t past,
                    const void *mask, int mask_kind, int64_t mask_sm, float scale,
-                   const float *G, const float *U, const float *Dn, int64_t inter, int act,
                    float *work, float *Y, int nthreads);
-void decoder_stack(const float *X, int64_t M, int64_t hid, int64_t L, const int64_t *P, const float *eps,
-                   const int64_t *kv_sh, int64_t H, int64_t Hkv, int64_t D, const float *cos, const float *sin,
-                   int64_t past, const void *mask, int mask_kind, int64_t mask_sm, float scale, int64_t inter,
+void decoder_stack(const float *X, int64_t M, int64_t hid, int64_t L, const layer_args *layers,
+                   int64_t H, int64_t Hkv, int64_t D, const float *cos, const float *sin,
+                   int64_t past, const void *mask, int mask_kind, int64_t mask_sm, float scale,
                    float *work, float *A, float *Y, float *Keep, int nthreads);
+int64_t layer_args_layout(int64_t *out);
+const char *layer_args_fields(void);
 int64_t screen_argmax(const int8_t *Q, const float *S, const float *C, double n_max, double w_max,
                       const float *W, const float *X,
                       int64_t out_f, int64_t in_f, int64_t M, float *A, float *lo_all, float *best_all,

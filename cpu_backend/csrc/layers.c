@@ -6,17 +6,19 @@
    loop over their stacked outputs), the rotary embedding of q and k, the new keys and values written into the
    cache buffers at positions past .. past + M - 1 (K / V [H_kv, capacity, D], head stride kv_sh), attention over
    the past + M keys, and the o product into Y [M, hidden]. Every number is computed by the same code, in the same
-   order, as the separate calls (rows_linear, rope, attend), so the results are theirs bit for bit. With Wqn
-   and Wkn (Qwen3's, Gemma-3's q and k norms), each head's query and key is normed (rms_norm over D, epsilon
-   eps_qk) before the rotation. work holds M (2 H + 2 H_kv) D floats. */
-void attention_block(const float *X, int64_t M, int64_t hid,
-                     const float *Wq, const float *Bq, const float *Wk, const float *Bk,
-                     const float *Wv, const float *Bv, const float *Wo, const float *Bo,
-                     const float *Wqn, const float *Wkn, float eps_qk,
-                     int64_t H, int64_t Hkv, int64_t D, const float *cos, const float *sin,
-                     float *K, float *V, int64_t kv_sh, int64_t past,
+   order, as the separate calls (rows_linear, rope, attend), so the results are theirs bit for bit. With q_norm
+   and k_norm (Qwen3's, Gemma-3's), each head's query and key is normed (rms_norm over D, epsilon eps_qk) before
+   the rotation. w: the layer's wq .. bo, q_norm, k_norm, eps_qk, k_cache, v_cache, kv_sh (the rest unread). work
+   holds M (2 H + 2 H_kv) D floats. */
+void attention_block(const float *X, int64_t M, int64_t hid, const layer_args *w,
+                     int64_t H, int64_t Hkv, int64_t D, const float *cos, const float *sin, int64_t past,
                      const void *mask, int mask_kind, int64_t mask_sm, float scale,
                      float *work, float *Y, int nthreads) {
+    const float *Wq = w->wq, *Bq = w->bq, *Wk = w->wk, *Bk = w->bk, *Wv = w->wv, *Bv = w->bv, *Wo = w->wo;
+    const float *Bo = w->bo, *Wqn = w->q_norm, *Wkn = w->k_norm;
+    const float eps_qk = w->eps_qk;
+    float *K = w->k_cache, *V = w->v_cache;
+    const int64_t kv_sh = w->kv_sh;
     const int64_t nq = H * D, nk = Hkv * D;
     float *Q = work, *Kn = Q + M * nq, *Vn = Kn + M * nk, *A = Vn + M * nk;
     const int64_t bq = (nq + NB - 1) / NB, bk = (nk + NB - 1) / NB;
@@ -75,54 +77,60 @@ void rms_norm(const float *X, const float *W, float *Y, int64_t M, int64_t n, fl
 /* A Llama-style decoder layer for M rows of one sequence, in one call:
        h = x + attention(rms_norm(x)),  y = h + down(silu(gate(rms_norm(h))) * up(rms_norm(h)))
    with the calls rms_norm, attention_block, rows_gated and rows_linear (products.c) and plain float sums, so the
-   results are those of the separate calls bit for bit. Gemma-3's layers also norm the attention's output (Wpa) and
-   the MLP's (Wpf) before their residual sums, norm each head's query and key (Wqn, Wkn: attention_block), and gate by
-   GELU (act 1: rows_gated); null weights and act 0 for Llama's. work holds M (3 hid + inter + (2 H + 2 H_kv) D)
-   floats. */
-void decoder_layer(const float *X, int64_t M, int64_t hid, const float *Wn1, float eps1, const float *Wn2, float eps2,
-                   const float *Wpa, float eps_pa, const float *Wpf, float eps_pf,
-                   const float *Wq, const float *Bq, const float *Wk, const float *Bk,
-                   const float *Wv, const float *Bv, const float *Wo, const float *Bo,
-                   const float *Wqn, const float *Wkn, float eps_qk,
-                   int64_t H, int64_t Hkv, int64_t D, const float *cos, const float *sin,
-                   float *K, float *V, int64_t kv_sh, int64_t past,
+   results are those of the separate calls bit for bit. Gemma-3's layers also norm the attention's output (out_norm1)
+   and the MLP's (out_norm2) before their residual sums, norm each head's query and key (q_norm, k_norm:
+   attention_block), and gate by GELU (act 1: rows_gated); NULL weights and act 0 for Llama's. work holds
+   M (3 hid + inter + (2 H + 2 H_kv) D) floats. */
+void decoder_layer(const float *X, int64_t M, int64_t hid, const layer_args *w,
+                   int64_t H, int64_t Hkv, int64_t D, const float *cos, const float *sin, int64_t past,
                    const void *mask, int mask_kind, int64_t mask_sm, float scale,
-                   const float *G, const float *U, const float *Dn, int64_t inter, int act,
                    float *work, float *Y, int nthreads) {
+    const int64_t inter = w->inter;
     float *N = work, *Hs = N + M * hid, *T = Hs + M * hid, *Mid = T + M * hid, *aw = Mid + M * inter;
-    if (Wn1) rms_norm(X, Wn1, N, M, hid, eps1);  /* none: the input goes to attention as it is (an EAGLE head's) */
-    attention_block(Wn1 ? N : X, M, hid, Wq, Bq, Wk, Bk, Wv, Bv, Wo, Bo, Wqn, Wkn, eps_qk, H, Hkv, D, cos, sin, K, V,
-                    kv_sh, past, mask, mask_kind, mask_sm, scale, aw, T, nthreads);
-    if (Wpa) rms_norm(T, Wpa, T, M, hid, eps_pa);
+    if (w->norm1) rms_norm(X, w->norm1, N, M, hid, w->eps1);  /* none: the input goes to attention as it is */
+    attention_block(w->norm1 ? N : X, M, hid, w, H, Hkv, D, cos, sin, past, mask, mask_kind, mask_sm, scale, aw, T,
+                    nthreads);
+    if (w->out_norm1) rms_norm(T, w->out_norm1, T, M, hid, w->eps_out1);
     for (int64_t i = 0; i < M * hid; i++) Hs[i] = X[i] + T[i];
-    rms_norm(Hs, Wn2, N, M, hid, eps2);
-    rows_gated(G, U, N, Mid, inter, hid, M, nthreads, act);
-    rows_linear(Dn, Mid, 0, T, hid, inter, M, nthreads);
-    if (Wpf) rms_norm(T, Wpf, T, M, hid, eps_pf);
+    rms_norm(Hs, w->norm2, N, M, hid, w->eps2);
+    rows_gated(w->gate, w->up, N, Mid, inter, hid, M, nthreads, w->act);
+    rows_linear(w->down, Mid, 0, T, hid, inter, M, nthreads);
+    if (w->out_norm2) rms_norm(T, w->out_norm2, T, M, hid, w->eps_out2);
     for (int64_t i = 0; i < M * hid; i++) Y[i] = Hs[i] + T[i];
 }
 
 /* Every decoder layer of a model in one call: layer l runs decoder_layer on layer l - 1's output with its own
-   weights and cache buffers. P [L][15] holds each layer's addresses: input norm, post-attention norm, Wq, Bq, Wk,
-   Bk, Wv, Bv, Wo, Bo, G, U, Dn (packed), K, V; eps [L][2] its norms' epsilons; kv_sh [L] its caches' head strides.
-   The outputs alternate between A (scratch [M, hid]) and Y so that the last layer's lands in Y; with Keep
-   [L - 1][M, hid] not null, every other layer's output is copied there too. */
-void decoder_stack(const float *X, int64_t M, int64_t hid, int64_t L, const int64_t *P, const float *eps,
-                   const int64_t *kv_sh, int64_t H, int64_t Hkv, int64_t D, const float *cos, const float *sin,
-                   int64_t past, const void *mask, int mask_kind, int64_t mask_sm, float scale, int64_t inter,
+   layer_args (layers[l]: weights and cache buffers). The outputs alternate between A (scratch [M, hid]) and Y so
+   that the last layer's lands in Y; with Keep ([L - 1, M, hid]), every other layer's output is copied there too. work
+   as decoder_layer's for the largest intermediate size. */
+void decoder_stack(const float *X, int64_t M, int64_t hid, int64_t L, const layer_args *layers,
+                   int64_t H, int64_t Hkv, int64_t D, const float *cos, const float *sin,
+                   int64_t past, const void *mask, int mask_kind, int64_t mask_sm, float scale,
                    float *work, float *A, float *Y, float *Keep, int nthreads) {
-#define F_AT(i) ((const float *)(intptr_t)p[i])
     const float *in = X;
     for (int64_t l = 0; l < L; l++) {
-        const int64_t *p = P + 15 * l;
         float *out = (L - 1 - l) % 2 == 0 ? Y : A;
-        decoder_layer(in, M, hid, F_AT(0), eps[2 * l], F_AT(1), eps[2 * l + 1], 0, 0.0f, 0, 0.0f, F_AT(2), F_AT(3),
-                      F_AT(4), F_AT(5), F_AT(6), F_AT(7), F_AT(8), F_AT(9), 0, 0, 0.0f, H, Hkv, D, cos, sin,
-                      (float *)(intptr_t)p[13], (float *)(intptr_t)p[14], kv_sh[l], past, mask, mask_kind, mask_sm,
-                      scale, F_AT(10), F_AT(11), F_AT(12), inter, 0, work, out, nthreads);
+        decoder_layer(in, M, hid, layers + l, H, Hkv, D, cos, sin, past, mask, mask_kind, mask_sm, scale, work, out,
+                      nthreads);
         if (Keep && l < L - 1) memcpy(Keep + l * M * hid, out, sizeof(float) * M * hid);
         in = out;
     }
-#undef F_AT
 }
 
+/* layer_args as this compiler lays it out: out[0] its size, out[1 + i] the offset of its i-th field; returns the
+   field count. With layer_args_fields (the names, comma-separated), what tests/test_backend_modules.py compares with
+   the ctypes mirror. */
+int64_t layer_args_layout(int64_t *out) {
+    int64_t n = 0;
+    out[n++] = (int64_t)sizeof(layer_args);
+#define LAYER_ARGS_OFFSET(type, name) out[n++] = (int64_t)offsetof(layer_args, name);
+    LAYER_ARGS(LAYER_ARGS_OFFSET)
+#undef LAYER_ARGS_OFFSET
+    return n - 1;
+}
+
+const char *layer_args_fields(void) {
+#define LAYER_ARGS_NAME(type, name) #name ","
+    return LAYER_ARGS(LAYER_ARGS_NAME);
+#undef LAYER_ARGS_NAME
+}

@@ -1,0 +1,85 @@
+"""The CPU backend's objects: `cpu_backend.enable` gives modules the backend's own classes (the same objects,
+parameters and names) and hangs nothing on torch's; `disable` gives every stock class back and the stock numbers
+bit for bit; the C `layer_args` struct and its ctypes mirror agree."""
+
+import copy
+import ctypes
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import cpu_backend
+from cpu_backend import kernels
+from cpu_backend.fastpath import BUCKETS, Plan
+from cpu_backend.modules import BackendModule
+from tests.tiny import tiny_head, tiny_target
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import backend_modules  # noqa: E402
+
+needs_kernel = pytest.mark.skipif(not kernels.available(), reason="the C kernel does not build here")
+
+
+@needs_kernel
+def test_layer_args_mirror_the_headers_struct():
+    lib = kernels.library()
+    names = lib.layer_args_fields().decode().rstrip(",").split(",")
+    out = (ctypes.c_int64 * (len(names) + 1))()
+    assert lib.layer_args_layout(out) == len(names)
+    mirror = kernels.LayerArgs
+    assert [name for name, _ in mirror._fields_] == names
+    assert list(out) == [ctypes.sizeof(mirror), *(getattr(mirror, name).offset for name in names)]
+
+
+@needs_kernel
+def test_enable_swaps_classes_keeps_parameters_and_disable_gives_the_stock_model_back():
+    target = tiny_target(dtype=torch.float32, hidden=64, layers=2)
+    head = tiny_head(target).float()
+    model = target.model
+    ids = torch.tensor([[5, 9, 14, 22, 7, 3]])
+    with torch.no_grad():
+        want = model(ids).logits
+    types = {name: type(m) for name, m in model.named_modules()}
+    attributes = [backend_modules.tensor_attributes(m) for m in (model, head)]
+    params = dict(model.named_parameters())
+    kernel = Plan(layouts={f"{m.weight.shape[0]}x{m.weight.shape[1]}": {b: "kernel" for b in BUCKETS}
+                           for m in [*model.modules(), *head.modules()] if isinstance(m, nn.Linear)})
+    cpu_backend.enable(model, plan=kernel)
+    cpu_backend.enable(head, plan=kernel, drafts=True)
+    assert [backend_modules.instance_forwards(m) for m in (model, head)] == [[], []]
+    assert [backend_modules.tensor_attributes(m) for m in (model, head)] == attributes  # nothing hung on tensors
+    assert list(dict(model.named_parameters())) == list(params)
+    assert all(params[k] is p for k, p in model.named_parameters())
+    kinds = {type(m).__name__ for m in [*model.modules(), *head.modules()] if isinstance(m, BackendModule)}
+    assert {"PackedLinear", "KernelNorm", "KernelMLP", "KernelAttention", "FusedLayer", "FusedStack",
+            "DraftingHead", "HeadAttention", "HeadLayer"} <= kinds
+    layer = model.model.layers[0]
+    assert isinstance(layer, type(layer).stock) and "FusedLayer(LlamaDecoderLayer)" in repr(model)
+    assert "PackedLinear(Linear)(in_features=64" in repr(layer.self_attn)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, want, rtol=1e-4, atol=1e-4)
+        # no cache: the stack's stock forward, which must still record every layer's hidden state (EAGLE-3)
+        hidden = model.model(input_ids=ids, output_hidden_states=True).hidden_states
+        assert hidden is not None and len(hidden) == model.config.num_hidden_layers + 1
+        twin = copy.deepcopy(model)  # a copy of an enabled model (train's bfloat16 feature pass makes one) runs alone
+        torch.testing.assert_close(twin(ids).logits, want, rtol=1e-4, atol=1e-4)
+    cpu_backend.disable(head)
+    cpu_backend.disable(model)
+    assert {name: type(m) for name, m in model.named_modules()} == types
+    assert not any(isinstance(m, BackendModule) or "cpu_plan" in m.__dict__
+                   for m in [*model.modules(), *head.modules()])
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, want)
+
+
+@pytest.mark.smollm
+@needs_kernel
+def test_smollm2_backend_modules_check():
+    # the issue's check on the real target: benchmarks/backend_modules.py
+    result = backend_modules.check("smollm2-135m")
+    assert [k for k, v in result.items() if v is False] == [], result
+    assert result["backend_modules"]["FusedStack(LlamaModel)"] == 1
+    assert result["backend_modules"]["FusedLayer(LlamaDecoderLayer)"] == 30
