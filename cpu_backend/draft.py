@@ -83,7 +83,7 @@ def _attention_forward(self: HeadAttention, x, cos, sin, cache, layer: int, mask
 
 def _layer_forward(self: DecoderLayer, x, cos, sin, cache, layer: int, mask):
     """`DecoderLayer.forward` in one C call (the new keys and values written into the cache's buffers in place)
-    where it fits, else through its patched parts."""
+    where it fits, else through its backend parts."""
     attn, norm1, norm2, mlp = self.self_attn, self.input_layernorm, self.post_attention_layernorm, self.mlp
     dropping = self.training and self.dropout.p  # the C call has no dropout: a training-mode head keeps its own
     if dropping or not (LAYER_IN_ONE_CALL and cache is not None and x.shape[0] == 1 and kernel_fits(x, attn.hd)):
@@ -173,7 +173,7 @@ class GreedySteps:
     def build(cls, head) -> GreedySteps | None:
         """Steps for `head` where its module path drafts greedily through these C calls: an EAGLE-1/2 head without
         soft-capping, attached, each layer in one C call (`LAYER_IN_ONE_CALL` and `kernel_fits`), fc
-        patched and in the draft precision (so multiplied in the kernel), the draft screen taking one row; else
+        a PackedLinear in the draft precision (so multiplied in the kernel), the draft screen taking one row; else
         None."""
         if (head.config.head_type != "eagle1" or head.config.logit_softcap or head.embed_tokens is None
                 or not LAYER_IN_ONE_CALL or not kernels.available()):

@@ -168,8 +168,8 @@ def calibrate(model: nn.Module, repeats: int = 5, run: Callable[[int], float] | 
                 plan.timings[key][rows] = times
                 plan.layouts[key][rows] = _choose(times)
     if run is not None:
-        # unpatched once at the end, not after every row count: unpatching drops the packed weights, and packing
-        # them all again (finding their GGUF codes) after each was ~20 % of a fresh machine's calibration
+        # the stock classes back once at the end, not after every row count: that drops the packed weights, and
+        # packing them all again (finding their GGUF codes) after each was ~20 % of a fresh machine's calibration
         _unpatch(model)
     return plan
 
@@ -228,7 +228,7 @@ def _cpu_name() -> str:
 
 
 def plan_training(model: nn.Module, rows: int = 1024, repeats: int = 2) -> dict[str, dict[str, float]]:
-    """Choose, per weight shape of the patched `model`, how its products run where gradients are wanted: the packed
+    """Choose, per weight shape of the enabled `model`, how its products run where gradients are wanted: the packed
     kernel's forward and backward (`train_linear`) or `F.linear`'s, whichever took less time for `rows` rows (ms,
     median of `repeats` after a warm-up, a fresh copy of the weight each time, as an optimizer step makes the kernel
     repack it; a few seconds, once per machine). The kernel won 1.7x on a 2-core AVX-512 machine and lost 1.1-1.4x
@@ -323,7 +323,7 @@ def train_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 
 def _grad_linear(mod: nn.Module, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """A product autograd records for patched module `mod`: through `train_linear` unless `plan_training` measured
+    """A product autograd records for the PackedLinear `mod`: through `train_linear` unless `plan_training` measured
     `F.linear` faster for its weight shape."""
     return train_linear(x, weight, bias) if mod.cpu_plan.train else F.linear(x, weight, bias)
 
@@ -340,7 +340,7 @@ def _row_index(x: torch.Tensor) -> int:
 
 
 def _stock_path(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether a patched module must run its stock forward for this input (training, other devices or dtypes)."""
+    """Whether a backend module must run its stock forward for this input (training, other devices or dtypes)."""
     return not x.is_cpu or x.dtype != torch.float32 or _wants_grad(x, weight)
 
 
@@ -422,7 +422,7 @@ def _attention_kernel(self: nn.Module, x: torch.Tensor, position_embeddings, mas
 
 
 def _cache_slot(attn: nn.Module, x: torch.Tensor, pe, mask, cache):
-    """Where `_fused_attention` / `_fast_layer_forward` may run attention module `attn` in C: (cache layer, rows
+    """Where `_fused_attention` / `FusedLayer` may run attention module `attn` in C: (cache layer, rows
     already cached) when x is one sequence of at most ATTENTION_ROWS (64) float32 rows, `gqa_sdpa` attention, a
     preallocated cache layer with room for the new rows, rotary tables and a mask the kernel reads (no mask only
     for one row), nothing that needs gradients; else None. (The callers check first that the plan chose the kernel
