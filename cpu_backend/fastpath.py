@@ -714,7 +714,7 @@ class StackPlan:
     dims: tuple        # (heads, key / value heads, head size, intermediate size, attention scale)
     rows: list[bool]   # for each row count 0 .. MAX_ROWS, whether every layer runs in one C call
     slots: list | None = None  # (parameter dict, name) of every layer's weights, in `decoder_stack`'s table order
-    table: tuple | None = None  # (weights' key, LayerArgs, cache buffers, C table): `_stack_table`
+    table: tuple | None = None  # (weights' key, LayerArgs, cache buffers, C table, layouts held): `_stack_table`
     cache_mark: tuple | None = None  # (the cache, `table`, buffers made, switches) of the last pass
     rope: tuple | None = None  # (inv_freq, key, cos, sin): `_rotary`'s table
 
@@ -794,12 +794,15 @@ def _stack_table(mod: nn.Module, plan: StackPlan, cache: DynamicCache):
             layers.append(kernels.layer_args(_projections(attn), (norm1["weight"], n1.cpu_plan.eps, norm2["weight"],
                                                                   n2.cpu_plan.eps),
                                              (gate["weight"], up["weight"], down["weight"])))
-        kept = plan.table = (key, layers, None, None)
-    key, layers, table_for, table = kept
+        # the layouts behind those addresses, held: a weight changed in place and then multiplied elsewhere gets a new
+        # layout, and the old one must outlive the passes that still read it (until this cache is done)
+        copies = [dict(kernels.layouts(d[name]).made) for d, name in slots]
+        kept = plan.table = (key, layers, None, None, copies)
+    key, layers, table_for, table, copies = kept
     if table_for != made_for:  # the cache's buffers moved (a new cache, or one grown): their addresses again
         for args, (k, v) in zip(layers, buffers):
             args.k_cache, args.v_cache, args.kv_sh = k.data_ptr(), v.data_ptr(), k.stride(1)
-        kept = plan.table = (key, layers, made_for, kernels.stack_layers(layers))
+        kept = plan.table = (key, layers, made_for, kernels.stack_layers(layers), copies)
     plan.cache_mark = (weakref.ref(cache), kept, PreallocatedLayer.buffers_made, switches)
     return kept[3]
 
