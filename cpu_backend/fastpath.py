@@ -668,9 +668,14 @@ def _plan_fused_layer(mod: nn.Module) -> LayerPlan | None:
         return None
     return LayerPlan(parts=(attn, norms[0]._parameters, norms[1]._parameters, mlp.gate_proj._parameters,
                             mlp.up_proj._parameters, mlp.down_proj._parameters),
-                     norms=(*norms, None, None)[:4], act=mlp.cpu_plan.act,
-                     rows=[attn.cpu_plan.rows[rows] and mlp.gate_proj.cpu_plan.by_rows[rows] == "kernel"
-                           and mlp.down_proj.cpu_plan.by_rows[rows] == "kernel" for rows in range(MAX_ROWS + 1)])
+                     norms=(*norms, None, None)[:4], act=mlp.cpu_plan.act, rows=_layer_rows(attn, mlp))
+
+
+def _layer_rows(attn: KernelAttention, mlp: KernelMLP) -> list[bool]:
+    """For each row count, whether a layer of these parts runs in one call: the plan chose the kernel for all its
+    products at that count."""
+    return [attn.cpu_plan.rows[rows] and mlp.gate_proj.cpu_plan.by_rows[rows] == "kernel"
+            and mlp.down_proj.cpu_plan.by_rows[rows] == "kernel" for rows in range(MAX_ROWS + 1)]
 
 
 def _layer_same_as_stock(mod: nn.Module, plan: LayerPlan) -> bool:
@@ -987,11 +992,15 @@ def _patch_modules(model: nn.Module) -> None:
         if isinstance(mod, KernelAttention):
             _plan_fused_attention(mod)
     for mod in model.modules():  # decoder layers whose parts are all backend modules (the loops above came first)
-        if not isinstance(mod, BackendModule) and (plan := _plan_fused_layer(mod)) is not None:
+        if isinstance(mod, FusedLayer):  # enabled again with another plan (a calibration does): its rows anew
+            mod.cpu_plan.rows = _layer_rows(mod.cpu_plan.parts[0], mod.mlp)
+        elif not isinstance(mod, BackendModule) and (plan := _plan_fused_layer(mod)) is not None:
             if _layer_same_as_stock(mod, plan):
                 FusedLayer.from_stock(mod, plan)
     for mod in model.modules():  # base models whose decoder layers all run in one call each
-        if not isinstance(mod, BackendModule) and (plan := _plan_stack(mod)) is not None:
+        if isinstance(mod, FusedStack):
+            mod.cpu_plan.rows = [all(layer.cpu_plan.rows[rows] for layer in mod.layers) for rows in range(MAX_ROWS + 1)]
+        elif not isinstance(mod, BackendModule) and (plan := _plan_stack(mod)) is not None:
             if mod in _checked_stacks or _stack_same_as_stock(mod, plan):
                 _checked_stacks.add(mod)
                 FusedStack.from_stock(mod, plan)

@@ -83,3 +83,17 @@ def test_smollm2_backend_modules_check():
     assert [k for k, v in result.items() if v is False] == [], result
     assert result["backend_modules"]["FusedStack(LlamaModel)"] == 1
     assert result["backend_modules"]["FusedLayer(LlamaDecoderLayer)"] == 30
+
+
+@needs_kernel
+def test_enabling_again_with_another_plan_routes_the_layers_by_it():
+    # a calibration enables one model with each layout in turn: the one-call layers and stack follow the new plan
+    model = tiny_target(dtype=torch.float32, hidden=64, layers=2).model
+    shapes = {f"{m.weight.shape[0]}x{m.weight.shape[1]}" for m in model.modules() if isinstance(m, nn.Linear)}
+    kernel, linear = (Plan(layouts={k: {b: layout for b in BUCKETS} for k in shapes}) for layout in ("kernel", "linear"))
+    layers = model.model.layers
+    for plan, one_call in ((kernel, True), (linear, False), (kernel, True)):
+        cpu_backend.enable(model, plan=plan)
+        assert [layer.cpu_plan.rows[1] for layer in layers] == [one_call] * 2
+        assert model.model.cpu_plan.rows[1] == one_call
+    cpu_backend.disable(model)
