@@ -24,6 +24,7 @@ import argparse
 import functools
 import importlib.util
 import re
+import shutil
 import statistics
 import sys
 from pathlib import Path
@@ -31,7 +32,8 @@ from pathlib import Path
 import torch
 
 from cpu_backend import attention as cpu_attention
-from cpu_backend import fastpath
+from cpu_backend import fastpath, fused
+from cpu_backend import kernels as cpu_kernels
 from eagle import load_target
 from infer import SpeculativeDecoder
 from kernel import files_at  # benchmarks/kernel.py: a revision's files in a temporary directory
@@ -70,12 +72,36 @@ def fastpath_at(rev: str, kernel: bool = False):
     """The fast path's module as it was at `rev` (cpu_backend/fastpath.py, or eagle/fastlinear.py before it); with
     `kernel`, calling the C kernels of that revision too (its cpu_backend/kernels.py, or eagle/cpukernel.py, built
     into the kernel cache under its own key)."""
+    if (tree_at(rev) / "cpu_backend" / "parts.py").exists():  # the fast path in several modules of the package
+        return package_at(rev, kernel).fastpath
     moved = (tree_at(rev) / "cpu_backend" / "fastpath.py").exists()
     module = module_at(rev, "cpu_backend/fastpath.py" if moved else "eagle/fastlinear.py")
     if kernel:
         kernels = module_at(rev, "cpu_backend/kernels.py" if moved else "eagle/cpukernel.py")
         setattr(module, "kernels" if moved else "cpukernel", kernels)
     return module
+
+
+def package_at(rev: str, kernel: bool):
+    """The revision's cpu_backend/ imported as a package of its own, `cpu_backend_at_<rev>`, whose modules import
+    each other rather than this tree's (`eagle` stays this tree's); without `kernel`, those that call the kernels
+    module call this tree's."""
+    name = "cpu_backend_at_" + re.sub(r"\W", "_", rev)
+    if name not in sys.modules:
+        folder = tree_at(rev)
+        shutil.copytree(folder / "cpu_backend", folder / name)
+        for file in (folder / name).glob("*.py"):
+            file.write_text(re.sub(r"^(\s*)(from|import) cpu_backend\b", rf"\1\2 {name}", file.read_text(), flags=re.M))
+        sys.path.insert(0, str(folder))
+        sys.modules[f"{name}.attention"] = cpu_attention  # this tree's C attention, as for older revisions
+        importlib.import_module(f"{name}.fastpath")
+    package = sys.modules[name]
+    if not kernel:
+        own = sys.modules[f"{name}.kernels"]
+        for key, module in list(sys.modules.items()):
+            if key.startswith(f"{name}.") and getattr(module, "kernels", None) is own:
+                module.kernels = cpu_kernels
+    return package
 
 
 def kernels_of(module):
@@ -98,7 +124,7 @@ def unfuse(model: torch.nn.Module, layers: bool) -> None:
     """Give the one-call stack of all layers (the base model) its stock class again and, with `layers`, the one-call
     decoder layers too (keeping every other backend module: the layers run their backend parts)."""
     for mod in model.modules():
-        if isinstance(mod, fastpath.FusedStack) or layers and isinstance(mod, fastpath.FusedLayer):
+        if isinstance(mod, fused.FusedStack) or layers and isinstance(mod, fused.FusedLayer):
             mod.to_stock()
 
 

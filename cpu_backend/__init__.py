@@ -34,9 +34,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from cpu_backend import draft, fastpath, gguf_codes, kernels
+from cpu_backend import draft, fastpath, gguf_codes, kernels, parts
 from cpu_backend.attention import MAX_ROWS as PREFILL_ROWS  # rows a pass may bring to the C attention and layers
 from cpu_backend.kernels import KernelError, available
+from cpu_backend.plan import Plan
 from eagle.head import EagleHead
 
 __all__ = ["CPUConfig", "Screen", "available", "enable", "disable", "enabled", "applies", "greedy_chain",
@@ -64,8 +65,8 @@ def applies(model: nn.Module) -> bool:
 _with_codes: weakref.WeakSet = weakref.WeakSet()  # models whose GGUF K-quant codes were read
 
 
-def enable(model: nn.Module, *, plan: fastpath.Plan | None = None, run=None, gguf: Path | None = None,
-           drafts: bool = False) -> fastpath.Plan:
+def enable(model: nn.Module, *, plan: Plan | None = None, run=None, gguf: Path | None = None,
+           drafts: bool = False) -> Plan:
     """The backend's classes for `model`'s modules (these objects): layouts from `plan`, else the cached or a fresh
     calibration (timing whole passes with `run(rows) -> seconds` when given: a few seconds once per machine); the
     K-quant codes of the GGUF file it was loaded from (`gguf`) read for the kernels; an EAGLE head's layers in C,
@@ -104,7 +105,7 @@ def _own_weights(head: EagleHead) -> list[torch.Tensor]:
 def plan_training(model: nn.Module, rows: int) -> list[str]:
     """For training on the CPU: the enabled `model`'s products where gradients are wanted through the packed kernel
     or torch's, whichever was measured faster here for `rows` rows; returns the weight shapes left to torch."""
-    timings = fastpath.plan_training(model, rows)
+    timings = parts.plan_training(model, rows)
     return sorted(k for k, t in timings.items() if t["kernel"] >= t["linear"])
 
 
@@ -132,7 +133,7 @@ class Screen:
         kernel (float32 features on the CPU, no gradients); else None (the caller takes the logits' argmax)."""
         if (feats.dtype == torch.float32 and feats.is_cpu
                 and not (torch.is_grad_enabled() and (feats.requires_grad or self.weight.requires_grad))
-                and fastpath.kernel_rows(self.layer, feats.numel() // feats.shape[-1])):
+                and parts.kernel_rows(self.layer, feats.numel() // feats.shape[-1])):
             return kernels.screen_argmax(feats, self.weight)
         return None
 

@@ -5,7 +5,7 @@ and greedy drafting steps that make the same C calls without the modules' Python
 C: `kernels.rope_`, `kernels.attend`, grouped key / value heads read in place), each EAGLE-1/2 decoder layer
 `HeadLayer` (the whole layer in one C call, `kernels.decoder_layer`: the same norms, products, rotary embedding and
 attention), and the head `DraftingHead` (its target logits, an EAGLE-1/2 head's draft logits, in the layout of the
-target's lm_head, a PackedLinear: `fastpath.linear_as`); each runs its C only where it fits (inference on the CPU
+target's lm_head, a PackedLinear: `parts.linear_as`); each runs its C only where it fits (inference on the CPU
 in float32, a few rows), else the stock class's forward. `unpatch(head)` gives the stock classes back.
 
 A greedy step reads T new (feature, token) pairs into the head's cache and gives the draft screen's argmax after the
@@ -32,7 +32,7 @@ import torch
 
 from cpu_backend import kernels
 from cpu_backend.attention import MAX_ROWS
-from cpu_backend.fastpath import PackedLinear, kernel_rows, linear_as
+from cpu_backend.parts import PackedLinear, kernel_rows, linear_as
 from cpu_backend.modules import BackendModule
 from eagle import head as head_module
 from eagle.head import Attention, DecoderLayer, EagleHead

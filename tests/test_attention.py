@@ -8,7 +8,8 @@ from tiny import tiny_head, tiny_target
 
 from cpu_backend import CPUConfig, kernels
 from cpu_backend.attention import IMPLEMENTATION as CPU_ATTENTION
-from cpu_backend.fastpath import BUCKETS, Plan, disable_fast_linear, enable_fast_linear
+from cpu_backend.fastpath import disable_fast_linear, enable_fast_linear
+from cpu_backend.plan import BUCKETS, Plan
 from eagle.attention import IMPLEMENTATION, use_gqa_sdpa
 from infer import SpeculativeDecoder, tree
 from infer.cache import TargetCache

@@ -13,7 +13,7 @@ from torch import nn
 
 import cpu_backend
 from cpu_backend import kernels
-from cpu_backend.fastpath import BUCKETS, Plan
+from cpu_backend.plan import BUCKETS, Plan
 from cpu_backend.modules import BackendModule
 from tests.tiny import tiny_head, tiny_target
 

@@ -91,8 +91,10 @@ def test_layers_with_qk_norms_run_in_one_call_with_their_parts_bits(family):
 
     from cpu_backend import kernels
     from eagle.attention import use_gqa_sdpa
-    from cpu_backend.fastpath import (BUCKETS, FusedLayer, KernelAttention, KernelMLP, Plan, disable_fast_linear,
-                                      enable_fast_linear)
+    from cpu_backend.fastpath import disable_fast_linear, enable_fast_linear
+    from cpu_backend.fused import FusedLayer, KernelAttention
+    from cpu_backend.parts import KernelMLP
+    from cpu_backend.plan import BUCKETS, Plan
     from cpu_backend.modules import BackendModule
 
     target = tiny_family(family)

@@ -5,9 +5,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cpu_backend import fastpath, kernels
-from cpu_backend.fastpath import (BUCKETS, LAYOUTS, FusedLayer, FusedStack, KernelAttention, PackedLinear, Plan,
-                                  calibrate, disable_fast_linear, enable_fast_linear, fast_linear_enabled, linear)
+from cpu_backend import fastpath, kernels, parts, plan
+from cpu_backend.fastpath import calibrate, disable_fast_linear, enable_fast_linear, fast_linear_enabled
+from cpu_backend.fused import FusedLayer, FusedStack, KernelAttention
+from cpu_backend.parts import PackedLinear, plan_training
+from cpu_backend.plan import BUCKETS, LAYOUTS, Plan, linear
 from cpu_backend.modules import BackendModule
 from eagle.attention import use_gqa_sdpa
 from cpu_backend import CPUConfig
@@ -133,7 +135,6 @@ def test_calibration_prefills_its_context_once_and_times_every_pass_after_it(tmp
     lengths.clear()
     dec._calib = None
     monkeypatch.setattr(fastpath, "BUCKETS", (1, 4))  # two row counts are enough to see the passes
-    monkeypatch.setattr(fastpath, "MAX_ROWS", 4)
     dec.use_fast_path(True)  # calibrates the target by whole passes after a 128-token context
     assert lengths.count(128) == 1 and set(lengths) == {128, 1, 4} and len(lengths) > 3
     assert dec._calib is None  # the context cache is not kept once the plan is made
@@ -292,7 +293,7 @@ def test_every_layer_in_one_call_gives_the_one_call_layers_bits():
 def test_rotary_table_rows_are_the_modules_own_bits():
     # the stack's rotary (cos, sin) come from a table the module made in one call: the same bits as the module's
     # own call at any positions, in any order; past the model's maximum the module's own call
-    from cpu_backend.fastpath import StackPlan, _rotary
+    from cpu_backend.fused import StackPlan, _rotary
 
     target = tiny_target(dtype=torch.float32, hidden=64, layers=2)
     base = target.model.model
@@ -338,18 +339,16 @@ def test_kernel_products_give_f_linear_gradients():
 def test_training_products_take_the_path_measured_faster(tmp_path, monkeypatch):
     """plan_training times the kernel's and F.linear's forward + backward per weight shape, caches the timings per
     machine, and each patched layer then trains through the faster one."""
-    import cpu_backend.fastpath as fl
-
     monkeypatch.setenv("EAGLE_CACHE", str(tmp_path))
     model = nn.Sequential(nn.Linear(64, 96), nn.Linear(96, 32))
     enable_fast_linear(model, Plan(layouts={"96x64": {r: "kernel" for r in BUCKETS},
                                             "32x96": {r: "kernel" for r in BUCKETS}}))
-    timings = fl.plan_training(model, rows=64, repeats=1)
+    timings = plan_training(model, rows=64, repeats=1)
     assert set(timings) == {"96x64", "32x96"} and all(set(t) == {"kernel", "linear"} for t in timings.values())
     assert [m.cpu_plan.train for m in model] == [timings[k]["kernel"] < timings[k]["linear"]
                                                  for k in ("96x64", "32x96")]
-    monkeypatch.setattr(fl, "_time_training", None)  # the second time the cached timings decide
-    assert fl.plan_training(model, rows=64, repeats=1) == timings
+    monkeypatch.setattr(parts, "_time_training", None)  # the second time the cached timings decide
+    assert plan_training(model, rows=64, repeats=1) == timings
 
     calls = []
     monkeypatch.setattr(kernels, "linear_with_grad", lambda *a: calls.append(1) or F.linear(*a))
@@ -445,8 +444,8 @@ def test_screened_argmax_without_vnni(request, monkeypatch):
 def test_greedy_decoding_through_the_screen_gives_the_same_tokens(monkeypatch):
     target = tiny_target(dtype=torch.float32, hidden=64, vocab_size=96)
     head = tiny_head(target)
-    kernel_everywhere = Plan(layouts={fastpath._shape_key(m.weight): {b: "kernel" for b in BUCKETS}
-                                      for model in (target.model, head) for m in fastpath._linears(model)})
+    kernel_everywhere = Plan(layouts={plan.shape_key(m.weight): {b: "kernel" for b in BUCKETS}
+                                      for model in (target.model, head) for m in plan.linears(model)})
     for model in (target.model, head):  # the layouts the screen follows: the kernel's for every row count
         enable_fast_linear(model, plan=kernel_everywhere)
     calls = []

@@ -137,6 +137,6 @@ def test_a_gguf_target_runs_when_its_codes_cannot_be_read(monkeypatch):
     assert t.source is not None and t.source.suffix == ".gguf"
     monkeypatch.setattr(gguf_codes, "attach", broken)
     with pytest.warns(UserWarning, match="K-quant codes not read .ValueError: unreadable"):
-        cpu_backend.enable(t.model, plan=cpu_backend.fastpath.Plan(), gguf=t.source)
+        cpu_backend.enable(t.model, plan=cpu_backend.plan.Plan(), gguf=t.source)
     cpu_backend.disable(t.model)
     assert t.vocab_size == 49152

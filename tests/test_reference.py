@@ -98,7 +98,8 @@ def test_smollm2_greedy_and_speculative_equal_transformers_on_every_cpu_path(ker
     from cpu_backend import kernels
 
     from eagle import EagleHead, HeadConfig
-    from cpu_backend.fastpath import BUCKETS, Plan, disable_fast_linear, enable_fast_linear
+    from cpu_backend.fastpath import disable_fast_linear, enable_fast_linear
+    from cpu_backend.plan import BUCKETS, Plan
 
     ids, want = smollm2_reference
     torch.manual_seed(0)
@@ -124,7 +125,8 @@ def test_two_timing_plans_route_smollm2_differently_and_give_the_same_tokens(smo
     """A plan changes speed, never tokens: the kernel everywhere (each decoder layer in one C call), or the MLPs'
     down projections through F.linear (their layers then run module by module)."""
     from cpu_backend import kernels
-    from cpu_backend.fastpath import BUCKETS, Plan, disable_fast_linear, enable_fast_linear
+    from cpu_backend.fastpath import disable_fast_linear, enable_fast_linear
+    from cpu_backend.plan import BUCKETS, Plan
 
     if not kernels.available():
         pytest.skip("the C kernel does not build here")
@@ -145,7 +147,7 @@ def test_two_timing_plans_route_smollm2_differently_and_give_the_same_tokens(smo
 
 
 def test_a_timing_plan_is_keyed_by_the_kernel_path_and_measured_again_on_request(tmp_path, monkeypatch):
-    from cpu_backend import fastpath, kernels
+    from cpu_backend import kernels, plan
 
     if not kernels.available():
         pytest.skip("the C kernel does not build here")
@@ -154,11 +156,11 @@ def test_a_timing_plan_is_keyed_by_the_kernel_path_and_measured_again_on_request
     for amx, vnni in ((True, True), (False, True), (False, False)):
         monkeypatch.setattr(kernels, "AMX", amx)
         monkeypatch.setattr(kernels, "VNNI", vnni)
-        keys.add(fastpath._plan_path(model, "passes"))
+        keys.add(plan.cache_path(model, "passes"))
     assert len(keys) == 3  # EAGLE_NO_AMX / EAGLE_NO_VNNI plan apart
     made = []
     path = str(tmp_path / "plan.json")
-    assert fastpath._cached_json(path, lambda: made.append(1) or {"a": 1}) == {"a": 1}
-    assert fastpath._cached_json(path, lambda: made.append(1) or {"a": 2}) == {"a": 1} and len(made) == 1
+    assert plan.cached_json(path, lambda: made.append(1) or {"a": 1}) == {"a": 1}
+    assert plan.cached_json(path, lambda: made.append(1) or {"a": 2}) == {"a": 1} and len(made) == 1
     monkeypatch.setenv("EAGLE_RECALIBRATE", "1")
-    assert fastpath._cached_json(path, lambda: made.append(1) or {"a": 3}) == {"a": 3} and len(made) == 2
+    assert plan.cached_json(path, lambda: made.append(1) or {"a": 3}) == {"a": 3} and len(made) == 2
