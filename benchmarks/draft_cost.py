@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from cpu_backend import draft, kernels
+from cpu_backend import CPUConfig, draft, kernels
 from eagle import load_target
 from infer import SpeculativeDecoder
 from infer.decoder import DecodeConfig
@@ -49,7 +49,7 @@ def main() -> None:
     args = ap.parse_args()
     target = load_target(args.target)
     dec = SpeculativeDecoder.from_pretrained(target, args.draft)
-    dec.use_fast_path(True)
+    dec.use_cpu(CPUConfig())  # the backend and its screens, as decoding has them
     head = dec.head
     text = real_text(dec, args.data, args.context + 1)
     ids = torch.tensor([text])

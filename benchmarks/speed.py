@@ -80,7 +80,7 @@ def pass_ms(dec: SpeculativeDecoder, text: list[int], context: int, rows_list: l
     verification pass of a chain the target agrees with."""
     target = dec.target
     use_codes(q4, amx)
-    dec.use_fast_path(fast, screen)
+    dec.use_cpu(CPUConfig(fast_path=fast, screen_argmax=screen))
     cache = TargetCache()
     ctx = torch.tensor([text[:context]])
     target.features(ctx, position_ids=torch.arange(context)[None], cache=cache.hf)

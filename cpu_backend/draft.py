@@ -16,7 +16,7 @@ makes the same calls on the same numbers, so it drafts the same bits, with its b
 addresses taken once per decoding:
 
     steps = GreedySteps.build(head)             # None where the module path would not make these calls
-    token = steps.step(cache, feats, tokens)    # feats [T, H], tokens [T]; the predicted feature: steps.feature(T)
+    token = steps.step(cache, feats, tokens)    # feats [T, H], tokens [T] -> [1]; the predicted feature: .feature(T)
     steps.read(cache, feats, tokens)            # the pairs read, no token (sampling and trees draft on from there)
 
 The steps read the weights as they were at `build` (the kernel copies behind the addresses are held): build again
@@ -192,9 +192,10 @@ class GreedySteps:
         """The last step's predicted feature after its last pair, [1, H] (overwritten by the next step)."""
         return self.y[self.last, rows - 1: rows]
 
-    def step(self, cache, feats: torch.Tensor, tokens: torch.Tensor) -> int:
+    def step(self, cache, feats: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """Read pairs (feats [T, H] float32, tokens [T]) into `cache` at its length, as `EagleHead.forward` does,
-        and return the greedy draft token (a target id) after the last one. T <= max_rows."""
+        and return the greedy draft token after the last one ([1], a target id: the next step's tokens). T <=
+        max_rows."""
         T, H, threads = tokens.shape[0], self.hidden, self.read(cache, feats, tokens)
         # 3. the draft screen's argmax of the last row
         V, scores = self.vocab, self.scores.data_ptr()
@@ -202,7 +203,7 @@ class GreedySteps:
                                       scores + 4 * V, scores + 4 * (V + threads), self.at.data_ptr(), self.at_xq,
                                       self.at_best, threads)
         best = int(kernels.screen_argmax(self.feature(T), self.screen_weight)) if left else self.best_value.value
-        return self.d2t[best] if self.d2t is not None else best
+        return torch.tensor([self.d2t[best] if self.d2t is not None else best])
 
     def read(self, cache, feats: torch.Tensor, tokens: torch.Tensor) -> int:
         """`step` without its draft token: the pairs read into `cache`, their predicted features in `feature`

@@ -174,17 +174,22 @@ class SpeculativeDecoder:
         self._head_layers = (list(head.config.feature_layer_ids)
                              if head is not None and head.config.head_type == "eagle3" else None)
         self._fast = False  # use_fast_path: the CPU backend runs the target (and the head, a draft model)
-        self._screen = None  # use_fast_path: the backend's Screen of the target's lm_head, for greedy tokens
+        self._screen = None  # use_screens: the backend's Screen of the target's lm_head, for greedy tokens
         self._said_raw = False  # `encode` has said that the target has no chat template
         self._calib = None  # while a calibration runs: its context cache (`_calibration_pass`)
 
-    def use_fast_path(self, on: bool, screen: bool = True) -> None:
+    def use_cpu(self, cpu: CPUConfig) -> None:
+        """The CPU backend as `cpu` says: on or off (`use_fast_path`), then greedy tokens through its screens or not
+        (`use_screens`). `generate` and `stream` call it with their `cpu` (else the decoder's)."""
+        self.use_fast_path(cpu.fast_path)
+        self.use_screens(cpu.screen_argmax)
+
+    def use_fast_path(self, on: bool) -> None:
         """Turn the CPU backend on (or off) for the target, the head and a draft model, where their weights are on
         the CPU (`cpu_backend.enable`: measured layouts, C kernels; the first call on a machine calibrates for a few
-        seconds); with `screen`, greedy tokens through the backend's int8 screen. On any device the target's `sdpa`
-        attention becomes `gqa_sdpa` (eagle.attention: tree-masked passes without copying the KV cache per query
-        head). `generate` and `stream` call it with `cpu.fast_path` and `cpu.screen_argmax`; call it yourself to
-        time the target's passes as decoding runs them."""
+        seconds). On any device the target's `sdpa` attention becomes `gqa_sdpa` (eagle.attention: tree-masked
+        passes without copying the KV cache per query head). Call it yourself to time the target's passes as
+        decoding runs them; turning the backend off turns its screens off too."""
         if on:  # (turned off in the reverse order: the backend's attention first, then gqa_sdpa)
             use_gqa_sdpa(self.target.model, True)
         self._fast = on and cpu_backend.applies(self.target.model)
@@ -202,8 +207,15 @@ class SpeculativeDecoder:
                 cpu_backend.disable(model)
         if not on:
             use_gqa_sdpa(self.target.model, False)
+        if not self._fast:
+            self._screen = None
+
+    def use_screens(self, on: bool) -> None:
+        """Greedy tokens (the target's, and the proposer's drafts) through the backend's int8 screens where the
+        backend is on and the lm_head's layout allows (`cpu_backend.Screen`: the argmax of the kernel's logits, bit
+        for bit), or (off) the argmax of the whole logits."""
         self._screen = None
-        if self._fast and screen and not self.target.softcap and self.target.lm_head.weight.dtype == torch.float32:
+        if self._fast and on and not self.target.softcap and self.target.lm_head.weight.dtype == torch.float32:
             self._screen = cpu_backend.Screen.of(self.target.lm_head)
             for rows in (1, 16):  # made now (~1 s each for SmolLM2), not in the first timed token
                 self._screen and self._screen.prepare(rows)
@@ -318,7 +330,7 @@ class SpeculativeDecoder:
             raise ValueError(f"prompt of {len(prompt_ids)} tokens does not fit the target's context of "
                              f"{self.target.max_length} tokens (it must leave room for one new token)")
         cpu = cpu or self.cpu
-        self.use_fast_path(cpu.fast_path, cpu.screen_argmax)
+        self.use_cpu(cpu)
         out = GenerateOutput(token_ids=[], text="", prompt_len=len(prompt_ids))
         eos = set(self.target.eos_ids)
         limit = min(cfg.max_new_tokens, self.target.max_length - len(prompt_ids))
@@ -359,12 +371,12 @@ class SpeculativeDecoder:
     @property
     def screens_greedy_tokens(self) -> bool:
         """Whether greedy tokens go through the backend's int8 screen where the lm_head's layout allows: set by
-        `use_fast_path`."""
+        `use_screens`."""
         return self._screen is not None
 
     def greedy_tokens(self, feats: torch.Tensor) -> torch.Tensor:
         """The target's greedy tokens for features [..., hidden], as decoding takes them: through the backend's
-        screen where `use_fast_path` set one up and it takes this many rows (the same tokens, bit for bit), else the
+        screen where `use_screens` set one up and it takes this many rows (the same tokens, bit for bit), else the
         argmax of the logits."""
         return greedy_tokens(self.target, feats, self._screen)
 

@@ -152,21 +152,50 @@ class EagleProposer:
 
     @torch.inference_mode()
     def propose(self, feats: torch.Tensor, tokens: torch.Tensor, cfg, generator=None) -> Draft:
-        head, start = self.head, self.cache.length
-        sampling = cfg.temperature > 0
-        steps = (self._greedy_steps() if tokens.shape[1] <= cpu_backend.PREFILL_ROWS and feats.dtype == torch.float32
-                 and feats.is_cpu else None)
-        if steps and cfg.mode == "chain" and not sampling and self.screen:
-            return self._chain_steps(feats[0].contiguous(), tokens[0], cfg)
-        if steps:  # the same C calls as the modules' forward below, without their Python
+        steps = self._greedy_steps(feats, tokens)
+        if cfg.mode == "chain" and cfg.temperature <= 0:
+            return self._greedy_chain(feats, tokens, cfg, steps if self.screen else None)
+        if steps:  # the same C calls as the modules' forward, without their Python
             steps.read(self.cache, feats[0].contiguous(), tokens[0])
             h_root = steps.feature(tokens.shape[1]).clone()
         else:
+            start = self.cache.length
             pos = torch.arange(start, start + tokens.shape[1], device=tokens.device)[None]
-            h_root = head(feats, tokens, pos, cache=self.cache)[0, -1:]  # predicts the root's feature
+            h_root = self.head(feats, tokens, pos, cache=self.cache)[0, -1:]  # predicts the root's feature
         if cfg.mode == "dynamic":
             return self._dynamic(h_root, tokens[0, -1], cfg)
+        sampling = cfg.temperature > 0
         return self._fixed(h_root, tokens[0, -1], self._fixed_plan(cfg), cfg, generator if sampling else None)
+
+    def _greedy_chain(self, feats: torch.Tensor, tokens: torch.Tensor, cfg, steps) -> Draft:
+        """k greedy drafts in a chain. Each step reads pairs into the head's cache (first the new committed pairs,
+        then the feature predicted last with the token drafted from it) and drafts the best token after the last
+        one: through the backend's steps where given (`GreedySteps.step`: the read and the screen's argmax in C),
+        else through the head's modules (`_step`): the same bits, the former without the modules' Python."""
+        step, feature = (steps.step, steps.feature) if steps is not None else (self._step, self._feature)
+        f, t, drafted = feats[0].contiguous(), tokens[0], [tokens[0, -1:]]
+        for d in range(cfg.num_speculative_tokens):
+            if d:
+                f, t = feature(t.shape[0]), drafted[-1]
+            drafted.append(step(self.cache, f, t))
+        plan = self._fixed_plan(cfg)
+        return Draft(torch.cat(drafted), plan.parents, None, plan.node_mask, plan.depth)
+
+    def _step(self, cache: HeadCache, feats: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """`GreedySteps.step` through the head's modules: pairs (feats [T, H], tokens [T]) read into `cache` after
+        what it holds, causal over them, and the greedy draft after the last one ([1], a target id; the screen's
+        argmax where it applies); the predicted feature kept for `_feature`."""
+        start = cache.length
+        pos = torch.arange(start, start + tokens.shape[0], device=tokens.device)[None]
+        self._h = h = self.head(feats[None], tokens[None], pos, cache=cache)[0, -1:]
+        best = self._screened_argmax(h)
+        if best is None:
+            best = self._logq(h).topk(1, dim=-1).indices[:, 0]
+        return self.head.to_target_ids(best)
+
+    def _feature(self, rows: int) -> torch.Tensor:
+        """The feature `_step` predicted after its last pair, [1, H]."""
+        return self._h
 
     # -- helpers -------------------------------------------------------------------------------------------
     def _fixed_plan(self, cfg) -> "FixedPlan":
@@ -182,38 +211,29 @@ class EagleProposer:
             self._plans[key] = FixedPlan.build(parents, ranks)
         return self._plans[key]
 
-    def _greedy_steps(self):
-        """The backend's drafting steps in C for this head (None where its modules would not run them: the backend
-        off, sampling heads, ...)."""
+    def _greedy_steps(self, feats: torch.Tensor, tokens: torch.Tensor):
+        """The backend's drafting steps in C for this head and these new pairs (None where its modules would not run
+        them: the backend off, more rows than a step reads, other dtypes or devices, sampling heads, ...)."""
+        if tokens.shape[1] > cpu_backend.PREFILL_ROWS or feats.dtype != torch.float32 or not feats.is_cpu:
+            return None
         if self._steps is None:
             self._steps = cpu_backend.greedy_chain(self.head) or False
         return self._steps or None
 
-    def _chain_steps(self, feats: torch.Tensor, t: torch.Tensor, cfg) -> Draft:
-        """A greedy chain through the backend's steps from the new pairs (feats [T, H] contiguous, t [T]): the draft
-        `_fixed` makes on a chain plan, bit for bit (the same C calls), at a fraction of its Python. The first step
-        reads the new pairs, each next one the token drafted last with the feature predicted for it."""
-        steps, plan = self._steps, self._fixed_plan(cfg)
-        drafted = [int(t[-1])]
-        for d in range(cfg.num_speculative_tokens):
-            if d:
-                feats, t = steps.feature(t.shape[0]), torch.tensor([drafted[-1]])
-            drafted.append(steps.step(self.cache, feats, t))
-        return Draft(torch.tensor(drafted), plan.parents, None, plan.node_mask, plan.depth)
-
-    def _logq(self, h: torch.Tensor, cfg) -> torch.Tensor:
-        """log q over the draft vocabulary for each row of h, shaped like the sampling distribution p."""
+    def _logq(self, h: torch.Tensor, cfg=None) -> torch.Tensor:
+        """log q over the draft vocabulary for each row of h, shaped like the sampling distribution p (greedy drafts:
+        no `cfg`, or its temperature 0)."""
         logits = self.head.logits(h)
-        if cfg.temperature > 0:
+        if cfg is not None and cfg.temperature > 0:
             return process(logits, cfg.temperature, cfg.sampling_top_k, cfg.top_p).log()
         return torch.log_softmax(logits.float(), dim=-1)
 
-    def _screened_argmax(self, h: torch.Tensor, cfg) -> torch.Tensor | None:
+    def _screened_argmax(self, h: torch.Tensor) -> torch.Tensor | None:
         """The draft-vocabulary argmax of each row of h through the backend's int8 screen (`cpu_backend.Screen`: the
         argmax of the kernel's logits, bit for bit, for about a quarter of the draft lm_head's bytes) where it applies:
-        greedy with `screen` on, an EAGLE-1/2 head without soft-capping whose logits the fast path multiplies in the
-        kernel for this many rows; else None."""
-        if cfg.temperature > 0 or not self.screen:
+        greedy drafts (the callers ask only for them) with `screen` on, an EAGLE-1/2 head without soft-capping whose
+        logits the fast path multiplies in the kernel for this many rows; else None."""
+        if not self.screen:
             return None
         if self._draft_screen is None:
             head = self.head
@@ -243,7 +263,8 @@ class EagleProposer:
         q_rows = torch.zeros(plan.parents.shape[0], head.config.vocab_size) if generator is not None else None
         h_front, front = h_root, plan.root
         for d, lv in enumerate(plan.levels, start=1):
-            best = self._screened_argmax(h_front, cfg) if generator is None and lv.need_rank == 1 else None
+            greedy = generator is None and cfg.temperature <= 0 and lv.need_rank == 1
+            best = self._screened_argmax(h_front) if greedy else None
             if best is not None:
                 chosen = best[lv.rows]
             elif generator is None:
@@ -264,7 +285,6 @@ class EagleProposer:
         dev = root.device
         # every candidate node: token (draft id), parent (candidate index, -1 = root), cumulative log q
         cand_tok, cand_par, cand_score = [], [], []
-        cand_anc = []  # [n, slots] drafted ancestors incl. the parent's slot
         front_h, front_idx = h_root, torch.tensor([-1])
         front_score = torch.zeros(1)
         front_anc = torch.zeros(1, max(1, k * cfg.depth), dtype=torch.bool)
