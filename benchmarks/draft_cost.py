@@ -19,12 +19,13 @@ target step.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import time
 
 import torch
 
-from cpu_backend import CPUConfig, draft, kernels
+from cpu_backend import CPUConfig, draft, kernels, switches
 from eagle import load_target
 from infer import SpeculativeDecoder
 from infer.decoder import DecodeConfig
@@ -75,7 +76,7 @@ def main() -> None:
             pos = torch.tensor([[committed]])
             head.logits(head(feats[:, -1:], ids[:, -1:], pos, cache=proposer.cache)[0])
 
-    stock_fits = draft.kernel_fits
+    stock_fits, defaults = draft.kernel_fits, switches.current()
     # (C paths, each head layer in one C call, the head's weights in low precision (`kernels.draft_precision`),
     # in int8 rather than bfloat16, greedy chains through GreedySteps where they fit)
     paths = {"as decoding drafts": (stock_fits, True, True, True, True),
@@ -91,8 +92,8 @@ def main() -> None:
     target_ms: list[float] = []
     for rnd in range(args.rounds):
         for path in (list(paths) if rnd % 2 == 0 else list(paths)[::-1]):
-            (draft.kernel_fits, draft.LAYER_IN_ONE_CALL, kernels.LOW_PRECISION_DRAFTS, kernels.INT8_DRAFTS,
-             steps) = paths[path]
+            draft.kernel_fits, draft.LAYER_IN_ONE_CALL, low, int8, steps = paths[path]
+            switches.use(dataclasses.replace(defaults, low_precision_drafts=low, int8_drafts=int8))
             proposer._steps = None if steps else False  # greedy chains' steps made again for this path, or none
             for name, fn in jobs.items():
                 fn()  # warm-up
@@ -102,8 +103,8 @@ def main() -> None:
                     t0 = time.perf_counter()
                     fn()
                     times[(path, name)].append((time.perf_counter() - t0) * 1e3)
-        (draft.kernel_fits, draft.LAYER_IN_ONE_CALL, kernels.LOW_PRECISION_DRAFTS,
-         kernels.INT8_DRAFTS) = stock_fits, True, True, True
+        draft.kernel_fits, draft.LAYER_IN_ONE_CALL = stock_fits, True
+        switches.use(defaults)
         target_ms.append(pass_ms(dec, text, args.context, [1], args.repeats, fast=True)[1])
     step = statistics.median(target_ms)
     print(f"threads {torch.get_num_threads()}, context {args.context}; median ms over {args.rounds} x {args.repeats}"

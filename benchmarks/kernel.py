@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import dataclasses
 import hashlib
 import io
 import json
@@ -40,7 +41,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from cpu_backend import kernels
+from cpu_backend import kernels, switches
 from speed import bandwidth_gb_s  # benchmarks/speed.py: GB/s of summing a 256 MB tensor
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -253,14 +254,15 @@ def time_screen(rows_list: list[int], repeats: int) -> None:
 
 
 def time_q4(shapes: list[str], rows_list: list[int], repeats: int, against: list[str], total_mb: int = 400) -> None:
-    """Products of weights in GGUF Q4_1 form: their float32 copies, their codes on the FMA path (`kernels.Q4_1`;
+    """Products of weights in GGUF Q4_1 form: their float32 copies, their codes on the FMA path (the switch `q4_1`;
     the same bits checked) and their codes on AMX tiles or in VNNI byte products where the CPU has them
-    (`kernels.AMX`, `kernels.VNNI`, the defaults; their largest errors against float64 printed beside the FMA
+    (the switches `amx`, `vnni`, the defaults; their largest errors against float64 printed beside the FMA
     path's), on enough distinct weights of each shape to hold
     `total_mb` MB in float32 (more than this machine's last-level cache reaches), interleaved; with `against`, the
     codes on AMX tiles or VNNI through those revisions' kernels too."""
     g = torch.Generator().manual_seed(0)
-    layouts = {"float32": (False, False, False), "codes, FMA": (True, False, False)}  # (Q4_1, AMX, VNNI)
+    before = switches.current()
+    layouts = {"float32": (False, False, False), "codes, FMA": (True, False, False)}  # (q4_1, amx, vnni)
     if kernels.amx_on():
         layouts["codes, AMX"] = (True, True, False)
     elif kernels.library().vq_supported():
@@ -275,7 +277,8 @@ def time_q4(shapes: list[str], rows_list: list[int], repeats: int, against: list
         out_f, in_f = map(int, shape.split("x"))
         count = max(1, total_mb * 2 ** 20 // (4 * out_f * in_f))
         ws = [kernels.q4_1_weight(out_f, in_f, g) for _ in range(count)]
-        for kernels.Q4_1, kernels.AMX, kernels.VNNI in layouts.values():  # every layout made before timing
+        for q4_1, amx, vnni in layouts.values():  # every layout made before timing
+            switches.use(dataclasses.replace(before, q4_1=q4_1, amx=amx, vnni=vnni))
             for w in ws:
                 kernels.packed(w)
         for m in rows_list:
@@ -283,7 +286,8 @@ def time_q4(shapes: list[str], rows_list: list[int], repeats: int, against: list
             outs, times = {}, {name: [] for name in layouts}
             for _ in range(repeats):
                 for name in random.sample(list(layouts), len(layouts)):
-                    kernels.Q4_1, kernels.AMX, kernels.VNNI = layouts[name]
+                    q4_1, amx, vnni = layouts[name]
+                    switches.use(dataclasses.replace(before, q4_1=q4_1, amx=amx, vnni=vnni))
                     lib = libs[name]
                     t0 = time.perf_counter()
                     for w in ws:
@@ -296,7 +300,7 @@ def time_q4(shapes: list[str], rows_list: list[int], repeats: int, against: list
             med = {name: statistics.median(t) for name, t in times.items()}
             cells = [f"{name} {t:7.1f} ({med['float32'] / t:.2f}x, error {err[name]:.1e})" for name, t in med.items()]
             print(f"{shape} M {m:>3}: " + "  ".join(cells), flush=True)
-    kernels.Q4_1, kernels.AMX, kernels.VNNI = True, True, True
+    switches.use(None)
 
 
 def main() -> None:

@@ -11,7 +11,7 @@ Parts (every timing is a median over repeats, methods interleaved so machine noi
    path (`cpu_backend`: the measured layouts of cpu_backend.fastpath, the C attention of cpu_backend.attention)
    with the whole float32 lm_head, the fast path with greedy tokens through the int8 screen (`cpu_backend.Screen`),
    that with weights in GGUF Q4_1 form read as their codes on the FMA path, and on AMX tiles or in VNNI byte
-   products where the CPU has them (the default; `cpu_backend.kernels.Q4_1`, `.AMX`, `.VNNI`);
+   products where the CPU has them (the default; the switches `q4_1`, `amx`, `vnni` of `cpu_backend.switches`);
    the ratio to M = 1 (what verifying M tokens costs);
 3. thread scaling of the same pass at M = 1 and 8;
 4. the prompts: HF generate and HF prompt lookup (stock layers, as users run them), our greedy with stock layers,
@@ -27,6 +27,7 @@ the engine's greedy against transformers' alone.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import time
@@ -34,7 +35,7 @@ import time
 import torch
 
 from chain import hf_generate  # benchmarks/chain.py: transformers' generate with the stock layers
-from cpu_backend import CPUConfig, kernels
+from cpu_backend import CPUConfig, kernels, switches
 from eagle import load_target
 from infer import SpeculativeDecoder
 from infer.cache import TargetCache
@@ -68,7 +69,7 @@ def real_text(dec: SpeculativeDecoder, data: str, length: int) -> list[int]:
 def use_codes(q4: bool, fast: bool) -> None:
     """GGUF weights read as their codes (`q4`), multiplied on AMX tiles or in VNNI byte products where the CPU has
     them (`fast`), else on the FMA path."""
-    kernels.Q4_1, kernels.AMX, kernels.VNNI = q4, fast, fast
+    switches.use(dataclasses.replace(switches.current(), q4_1=q4, amx=fast, vnni=fast))
 
 
 def pass_ms(dec: SpeculativeDecoder, text: list[int], context: int, rows_list: list[int], repeats: int,

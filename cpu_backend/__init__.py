@@ -19,9 +19,10 @@ output row is computed alone, so a verification pass gives each token the bits a
 the decoder takes greedy tokens through `Screen` (an int8 screen of the lm_head that gives the argmax of the
 kernel's logits bit for bit), greedy head drafts through `greedy_chain`, and KV compaction through `compact_kv`.
 
-Switches: `CPUConfig` (per decoder, evaluation or training run), and for the kernels' paths the environment:
-EAGLE_NO_KERNEL, EAGLE_NO_Q4, EAGLE_NO_AMX, EAGLE_NO_VNNI, EAGLE_BF16_DRAFTS, EAGLE_REQUIRE_KERNEL,
-EAGLE_RECALIBRATE (docs/cpu-backend.md).
+Settings: `CPUConfig` (per decoder, evaluation or training run: the backend on or off, greedy screens), and for the
+kernels' paths `Switches` (`cpu_backend.switches`: one object, read from EAGLE_NO_KERNEL, EAGLE_NO_Q4, EAGLE_NO_AMX,
+EAGLE_NO_VNNI, EAGLE_BF16_DRAFTS, EAGLE_REQUIRE_KERNEL and EAGLE_RECALIBRATE at `enable`, or chosen with
+`cpu_backend.switches.use(Switches(...))`; docs/cpu-backend.md).
 """
 
 from __future__ import annotations
@@ -34,13 +35,14 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from cpu_backend import draft, fastpath, gguf_codes, kernels, parts
+from cpu_backend import draft, fastpath, gguf_codes, kernels, parts, switches
 from cpu_backend.attention import MAX_ROWS as PREFILL_ROWS  # rows a pass may bring to the C attention and layers
 from cpu_backend.kernels import KernelError, available
 from cpu_backend.plan import Plan
+from cpu_backend.switches import Switches
 from eagle.head import EagleHead
 
-__all__ = ["CPUConfig", "Screen", "available", "enable", "disable", "enabled", "applies", "greedy_chain",
+__all__ = ["CPUConfig", "Switches", "Screen", "available", "enable", "disable", "enabled", "applies", "greedy_chain",
            "compact_kv", "plan_training", "PREFILL_ROWS", "KernelError"]
 
 
@@ -71,7 +73,9 @@ def enable(model: nn.Module, *, plan: Plan | None = None, run=None, gguf: Path |
     calibration (timing whole passes with `run(rows) -> seconds` when given: a few seconds once per machine); the
     K-quant codes of the GGUF file it was loaded from (`gguf`) read for the kernels; an EAGLE head's layers in C,
     and with `drafts` its own weights (not the target's lm_head and embedding it borrows) multiplied in int8 or
-    bfloat16 while drafting."""
+    bfloat16 while drafting. The switches (`cpu_backend.switches`) are read from the environment now, unless code
+    chose them."""
+    switches.refresh()
     if gguf is not None and model not in _with_codes:
         try:
             gguf_codes.attach(model, gguf)

@@ -21,7 +21,7 @@ addresses taken once per decoding:
 
 The steps read the weights as they were at `build` (the kernel copies behind the addresses are held): build again
 for each decoding (`infer.proposer.EagleProposer` does, at `reset`) and after the head's weights or the kernel
-settings (`kernels.AMX`, ...) change.
+settings (`cpu_backend.switches`) change.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ from transformers import DynamicCache
 from transformers.modeling_outputs import BaseModelOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from cpu_backend import kernels
+from cpu_backend import kernels, switches
 from cpu_backend.attention import IMPLEMENTATION as ATTENTION_IMPLEMENTATION
 from cpu_backend.attention import MAX_ROWS as ATTENTION_ROWS
 from cpu_backend.modules import BackendModule, row_spans
@@ -405,18 +405,18 @@ def _llama_layer(plan: LayerPlan) -> bool:
 
 def _stack_table(mod: nn.Module, plan: StackPlan, cache: DynamicCache):
     """`kernels.decoder_stack`'s table (an array of LayerArgs): the weights' part made again only when a weight
-    changed in place or moved, or the kernel library or the Q4_1, AMX or VNNI switch changed (as `kernels.packed`
-    would), the caches' part when their buffers moved. The weights are read once per cache (a cache belongs to one
+    changed in place or moved, or the kernel library or the switches changed (as `kernels.packed` would), the caches'
+    part when their buffers moved. The weights are read once per cache (a cache belongs to one
     set of weights): later passes with the same cache reuse the table while no buffer was made since."""
-    switches = (id(kernels._lib), kernels.Q4_1, kernels.amx_on(), kernels.VNNI)
+    setting = (id(kernels._lib), switches.current(), kernels.amx_on())
     kept, mark = plan.table, plan.cache_mark
     if (mark is not None and mark[0]() is cache and mark[1] is kept
-            and mark[2:] == (PreallocatedLayer.buffers_made, switches)):
+            and mark[2:] == (PreallocatedLayer.buffers_made, setting)):
         return kept[3]
     slots = plan.slots
     if slots is None:  # (parameter dict, name) of every weight: the modules' live dicts, so a replaced one is seen
         slots = plan.slots = [(d, name) for layer in mod.layers for d, name in _stack_slots(layer.cpu_plan)]
-    key = [*switches, *((kernels.version(w), w.data_ptr()) for w in (d[name] for d, name in slots))]
+    key = [*setting, *((kernels.version(w), w.data_ptr()) for w in (d[name] for d, name in slots))]
     buffers = [(c._k, c._v) for c in cache.layers]
     made_for = [(k.data_ptr(), v.data_ptr(), k.stride(1)) for k, v in buffers]
     if kept is None or kept[0] != key:
@@ -436,7 +436,7 @@ def _stack_table(mod: nn.Module, plan: StackPlan, cache: DynamicCache):
         for args, (k, v) in zip(layers, buffers):
             args.k_cache, args.v_cache, args.kv_sh = k.data_ptr(), v.data_ptr(), k.stride(1)
         kept = plan.table = (key, layers, made_for, kernels.stack_layers(layers), copies)
-    plan.cache_mark = (weakref.ref(cache), kept, PreallocatedLayer.buffers_made, switches)
+    plan.cache_mark = (weakref.ref(cache), kept, PreallocatedLayer.buffers_made, setting)
     return kept[3]
 
 

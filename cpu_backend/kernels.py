@@ -15,7 +15,7 @@
   bfloat16 parts, so float32 accuracy, other bits than the float32 path's, and 16 rows at about twice the cost of
   one instead of four times. Without AMX, where the CPU has AVX512-VNNI and VBMI (Zen 4, Ice Lake and later), calls
   of up to 64 rows multiply the codes (Q4_1, the Q8_0 form's, K-quants') by byte products instead (`vq_linear`;
-  `VNNI`, `EAGLE_NO_VNNI=1` keeps the FMA path): each input split exactly enough into three bytes a value for float32
+  `vnni_on`; `EAGLE_NO_VNNI=1` keeps the FMA path): each input split exactly enough into three bytes a value for float32
   accuracy, the integer sums exact. Decoding the codes to float32 had bound the FMA path by arithmetic on Zen 4: a
   SmolLM2 pass of 1-16 tokens 1.17-1.35x faster (BENCHMARKS.md).
 - `rows_gated`: a gated MLP's `silu(x @ G.T) * (x @ U.T)` in one pass over both weights (or GELU's tanh form,
@@ -44,7 +44,8 @@ and source with the system C compiler (`FLAGS`: `-O3 -march=native -fopenmp`, wa
 `$EAGLE_CACHE/kernels/`, a folder only its owner may write, with the library's sha256 beside it: a library whose
 bytes differ is built again, never loaded. Without a compiler, or on a CPU the build fails on, `available()` is
 False (the compiler's error printed once) and callers keep the stock torch ops; with EAGLE_REQUIRE_KERNEL=1 that is
-an error instead. `EAGLE_NO_KERNEL=1` turns the kernels off.
+an error instead. `EAGLE_NO_KERNEL=1` turns the kernels off. These and the other switches are read into one object
+when the backend is enabled (`cpu_backend.switches`).
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ from pathlib import Path
 
 import torch
 
-from cpu_backend import gguf_codes
+from cpu_backend import gguf_codes, switches
 from eagle.target import cache_root
 
 BLOCK = 32  # input features consumed per inner iteration: in_features must be a multiple
@@ -105,12 +106,11 @@ def library_key() -> str:
 
 def path_key() -> str:
     """Names every setting that changes which code computes a product here: the kernel library in use (the sha256 of
-    its file, or none) and the module's switches (`Q4_1`, `AMX`, `VNNI`, `INT8_DRAFTS`, `LOW_PRECISION_DRAFTS`,
-    `SCREEN_TILE_ROWS`, from the `EAGLE_NO_*` variables or set by a caller). A timing plan measured under one key
-    is not reused under another."""
+    its file, or none) and the switches in force (`switches.Switches.product_key`: from the `EAGLE_NO_*` variables
+    or chosen by a caller). A timing plan measured under one key is not reused under another."""
     lib = _lib or library()
     kernel = "none" if lib is None else lib.eagle_digest[:16]  # the library in use, as built (`load`)
-    return "|".join([kernel, *(f"{name}={globals()[name]}" for name in SWITCHES)])
+    return f"{kernel}|{switches.current().product_key()}"
 
 
 def _library_path() -> Path:
@@ -217,13 +217,13 @@ def library() -> ctypes.CDLL | None:
     sha256); None where it cannot be built here (then callers use F.linear), after printing why once. With
     EAGLE_REQUIRE_KERNEL=1 a kernel that cannot be had is an error (KernelError) instead."""
     global _lib, _tried, _error
-    required = bool(os.environ.get("EAGLE_REQUIRE_KERNEL"))
+    required = switches.current().require_kernel
     if _tried:
         if _lib is None and required and _error:
             raise KernelError(_error)
         return _lib
     _tried = True
-    if os.environ.get("EAGLE_NO_KERNEL"):
+    if not switches.current().kernel:
         if required:
             _error = "EAGLE_REQUIRE_KERNEL=1 and EAGLE_NO_KERNEL=1 ask for opposite things"
             raise KernelError(_error)
@@ -258,26 +258,6 @@ def supports(weight: torch.Tensor) -> bool:
 
 
 PACK = 32  # outputs per packed block (NB in the C source)
-# read weights dequantized from GGUF Q4_1 in that form (`packed`); EAGLE_NO_Q4=1 keeps them in float32
-Q4_1 = not os.environ.get("EAGLE_NO_Q4")
-# multiply those codes on AMX tiles where the CPU and the kernel have them (float32 accuracy, other bits than the
-# float32 path's); EAGLE_NO_AMX=1 leaves them to byte products where the CPU has AVX512-VNNI (below), and with
-# EAGLE_NO_VNNI=1 too to the FMA path, which gives the float32 weights' bits
-AMX = not os.environ.get("EAGLE_NO_AMX")
-# multiply the weights `draft_precision` marks (an EAGLE head's, while drafting) in int8 with a scale per output where
-# the CPU has AMX-INT8 or AVX512-VNNI (`pack_i8`: a quarter of float32's bytes), else on AMX tiles in bfloat16
-# (EAGLE_BF16_DRAFTS=1 keeps bfloat16 there)
-# without AMX tiles, multiply Q4_1, Q8_0-form and K-quant codes by byte products where the CPU has AVX512-VNNI and
-# VBMI (`vq_linear`: float32 accuracy, other bits than the FMA path's, each row's bits the same at every row count
-# up to 64; not the weight the greedy screen reads); EAGLE_NO_VNNI=1 keeps the FMA path
-VNNI = not os.environ.get("EAGLE_NO_VNNI")
-LOW_PRECISION_DRAFTS = True
-INT8_DRAFTS = not os.environ.get("EAGLE_BF16_DRAFTS")
-# with AMX tiles, greedy screens of fewer rows than this read a second int8 copy in the VNNI pairs layout, faster
-# there than the tiles' layout (BENCHMARKS.md); 0 keeps one copy
-SCREEN_TILE_ROWS = 5
-# the settings above that change which code computes a product (`path_key`)
-SWITCHES = ("Q4_1", "AMX", "VNNI", "INT8_DRAFTS", "LOW_PRECISION_DRAFTS", "SCREEN_TILE_ROWS")
 
 
 def pack(weight: torch.Tensor, pairs: bool = False) -> torch.Tensor:
@@ -520,9 +500,9 @@ def pack_bf16(weight: torch.Tensor) -> torch.Tensor:
 
 
 def draft_precision(weights: list[torch.Tensor], on: bool = True) -> None:
-    """Mark (or unmark) `weights` to be multiplied in low precision where `packed` can (`LOW_PRECISION_DRAFTS`) and
-    no gradient is being recorded: an EAGLE head's while it drafts. In int8 with a scale per output where the CPU has
-    AMX-INT8 or AVX512-VNNI (`INT8_DRAFTS`), else on AMX tiles in bfloat16. A draft only has to be likely, not exact
+    """Mark (or unmark) `weights` to be multiplied in low precision where `packed` can (the `low_precision_drafts`
+    switch) and no gradient is being recorded: an EAGLE head's while it drafts. In int8 with a scale per output where
+    the CPU has AMX-INT8 or AVX512-VNNI (`int8_drafts`), else on AMX tiles in bfloat16. A draft only has to be likely, not exact
     (the target checks every token), and this reads a quarter (a half) of float32's bytes; measured, the acceptance
     stays (BENCHMARKS.md)."""
     for w in weights:
@@ -534,8 +514,11 @@ def draft_precision(weights: list[torch.Tensor], on: bool = True) -> None:
 def in_draft_precision(weight: torch.Tensor) -> bool:
     """Whether `packed` gives `weight` in low precision now (`draft_precision`)."""
     entry = layouts(weight, make=False)
-    return (LOW_PRECISION_DRAFTS and entry is not None and entry.draft and not torch.is_grad_enabled()
-            and supports(weight) and (amx_on() or (INT8_DRAFTS and bool((_lib or library()).int8_products()))))
+    if entry is None or not entry.draft:
+        return False
+    on = switches.current()
+    return (on.low_precision_drafts and not torch.is_grad_enabled() and supports(weight)
+            and (amx_on() or (on.int8_drafts and bool((_lib or library()).int8_products()))))
 
 
 def _pack_bf16(weight: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -567,7 +550,7 @@ def _pack_any(weight: torch.Tensor) -> tuple[torch.Tensor, int]:
     decodes it (the address tagged 2 for AMX tiles, else 1), Q8_0 codes where it has that one (tagged 5: the FMA
     path, the float32 layout's bits), K-quant codes found in its GGUF file (tagged 6: the same), else `pack`'s
     float32 layout."""
-    if Q4_1 and _q4_ok():
+    if switches.current().q4_1 and _q4_ok():
         form = q4_1_codes(weight)
         if form is not None:
             amx = amx_on()
@@ -595,7 +578,7 @@ _amx: bool | None = None
 
 def amx_possible() -> bool:
     """Whether this kernel build and the OS allow AMX tiles (the OS's leave asked once per process), whatever the
-    `AMX` switch says."""
+    `amx` switch says."""
     global _amx
     if _amx is None:
         lib = _lib or library()
@@ -604,8 +587,8 @@ def amx_possible() -> bool:
 
 
 def amx_on() -> bool:
-    """Whether Q4_1 codes are multiplied on AMX tiles: the `AMX` switch and `amx_possible`."""
-    return AMX and amx_possible()
+    """Whether Q4_1 codes are multiplied on AMX tiles: the `amx` switch and `amx_possible`."""
+    return switches.current().amx and amx_possible()
 
 
 def vnni_possible() -> bool:
@@ -615,34 +598,34 @@ def vnni_possible() -> bool:
 
 
 def vnni_on() -> bool:
-    """Whether GGUF codes are multiplied by byte products (`vq_linear`): the `VNNI` switch, no AMX tiles in use
+    """Whether GGUF codes are multiplied by byte products (`vq_linear`): the `vnni` switch, no AMX tiles in use
     (`amx_on`), a kernel built with them."""
-    return VNNI and not amx_on() and vnni_possible()
+    return switches.current().vnni and not amx_on() and vnni_possible()
 
 
 def packed(weight: torch.Tensor) -> int:
     """Address of `weight` in the kernels' layout, made on first use and kept in its WeightLayouts until the weight
     changes in place (an optimizer step) or moves: Q4_1 codes for a weight dequantized from GGUF Q4_1 (0.625 bytes a
     weight; on the FMA path decoded to the same float32 values, so every product keeps its bits; on AMX tiles
-    (`amx_on`) summed in another order with float32 accuracy, and so without them in byte products where `VNNI` and
+    (`amx_on`) summed in another order with float32 accuracy, and so without them in byte products where `vnni_on` and
     the kernel allow: the same layout, bit 3 of the address set, as for Q8_0-form codes, except for a weight the
-    greedy screen reads), else `pack`'s float32 copy (twice the weight's memory). Each setting of `Q4_1` and `AMX`
+    greedy screen reads), else `pack`'s float32 copy (twice the weight's memory). Each setting of the switches
     keeps its own copy, so a benchmark can switch between them. A weight `draft_precision` marked is read in int8
     (`pack_i8`, tag 4) or bfloat16 (`pack_bf16`, tag 3) instead where `in_draft_precision` says so. The answer is
     kept there with every setting it depends on, so a decoding step's ~100 calls cost a dictionary lookup
     each."""
-    return kept(weight, "address", _packed_address, Q4_1, AMX, VNNI, LOW_PRECISION_DRAFTS, INT8_DRAFTS,
-                 torch.is_grad_enabled())
+    return kept(weight, "address", _packed_address, switches.current(), torch.is_grad_enabled())
 
 
 def _packed_address(weight: torch.Tensor) -> int:
     if in_draft_precision(weight):
-        if INT8_DRAFTS and (_lib or library()).int8_products():
+        if switches.current().int8_drafts and (_lib or library()).int8_products():
             return kept(weight, "i8", _pack_i8)[1]
         return kept(weight, "bf16", _pack_bf16)[1]
     amx = amx_on()
-    name = ("amx" if amx else "q4") if Q4_1 else "float32"
-    address = kept(weight, name, _pack_any, Q4_1, amx)[1]
+    q4_1 = switches.current().q4_1
+    name = ("amx" if amx else "q4") if q4_1 else "float32"
+    address = kept(weight, name, _pack_any, q4_1, amx)[1]
     # bit 3: byte products; not for a weight the greedy screen reads, whose argmax is the float32 products' bit for
     # bit (the lm_head: its logits and greedy tokens agree)
     if address & 7 in (1, 5, 6) and not layouts(weight).screened and vnni_on():
@@ -734,11 +717,11 @@ def screen_tables(weight: torch.Tensor, rows: int = 16
     for the float32 arithmetic of the test itself, rounded up to float32. None for a weight with a NaN or an
     infinity. Made on first use and kept beside the weight like `packed`'s copy (a quarter of its memory more). With
     AMX tiles (`amx_on` and a kernel with AMX-INT8) q is laid out for them instead (`pack_screen_tiles`): the same
-    integer sums, at about one row's cost for up to 16 rows; for fewer than `SCREEN_TILE_ROWS` `rows` a second copy
+    integer sums, at about one row's cost for up to 16 rows; for fewer than `screen_tile_rows` `rows` a second copy
     in the pairs layout, kept beside it."""
     lib = _lib or library()
     tiles = bool(lib.screen_tiles()) and amx_on()
-    form = "tiles" if tiles and rows >= SCREEN_TILE_ROWS else "pairs" if lib.screen_pairs() else "rows"
+    form = "tiles" if tiles and rows >= switches.current().screen_tile_rows else "pairs" if lib.screen_pairs() else "rows"
     return kept(weight, "screen_few" if tiles and form != "tiles" else "screen",
                  lambda w: _screened(w, form), form)
 

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cpu_backend import kernels
+from cpu_backend import kernels, switches
 from eagle.target import cache_root
 
 # row counts measured; a call uses the plan of the smallest bucket >= its rows. Up to 256: batched regeneration
@@ -117,7 +117,7 @@ def _cpu_name() -> str:
 def cached_json(path: str, make: Callable[[], dict]) -> dict:
     """The JSON object cached at `path`, or `make()`'s, written there whole (temp file + rename) for next time.
     EAGLE_RECALIBRATE=1 measures again whatever is cached."""
-    if os.path.exists(path) and not os.environ.get("EAGLE_RECALIBRATE"):
+    if os.path.exists(path) and not switches.current().recalibrate:
         with open(path) as f:
             return json.load(f)
     obj = make()

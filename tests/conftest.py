@@ -15,7 +15,7 @@ sys.path.insert(0, str(ROOT))  # import the packages from the checkout
 # plans measured under a test's forced settings must not reach real runs. EAGLE_TEST_CACHE names another folder.
 os.environ["EAGLE_CACHE"] = os.environ.get("EAGLE_TEST_CACHE") or str(ROOT / ".cache" / "eagle-tests")
 
-from paths import KERNEL_PATHS, kernel_path_missing  # noqa: E402 (after the cache folder is set)
+from paths import KERNEL_PATHS, force_switches, kernel_path_missing  # noqa: E402 (after the cache folder is set)
 
 SPECIAL_TOKENS = ["<pad>", "<|im_start|>", "<|im_end|>", "<bos>", "<eos>", "<start_of_turn>", "<end_of_turn>"]
 
@@ -103,6 +103,6 @@ def kernel_path(request, monkeypatch) -> str:
     if path == "avx2":
         monkeypatch.setattr(kernels, "_lib", request.getfixturevalue("avx2_library"))
         monkeypatch.setattr(kernels, "_amx", None)  # asked of that library again
-    monkeypatch.setattr(kernels, "AMX", path == "amx")
-    monkeypatch.setattr(kernels, "VNNI", path == "vnni")
+    force_switches(monkeypatch, amx=path == "amx")
+    force_switches(monkeypatch, vnni=path == "vnni")
     return path

@@ -15,15 +15,27 @@ def kernel_path_missing(path: str) -> str | None:
     """Why this host cannot run `path`, or None."""
     import platform
 
-    from cpu_backend import kernels
+    from cpu_backend import kernels, switches
 
     if not kernels.available():
         return "the C kernel does not build here"
     if path == "avx2" and (platform.machine() not in ("x86_64", "AMD64")
                            or "avx2" not in kernels._cpu_flags().split()):
         return "not an x86-64 CPU with AVX2"
-    if path == "vnni" and not (kernels.VNNI and kernels.vnni_possible()):
-        return "EAGLE_NO_VNNI=1" if not kernels.VNNI else "no AVX512-VNNI byte products in the native build"
-    if path == "amx" and not (kernels.AMX and kernels.amx_possible()):
-        return "EAGLE_NO_AMX=1" if not kernels.AMX else "no AMX tiles here (CPU, compiler or OS)"
+    on = switches.current()
+    if path == "vnni" and not (on.vnni and kernels.vnni_possible()):
+        return "EAGLE_NO_VNNI=1" if not on.vnni else "no AVX512-VNNI byte products in the native build"
+    if path == "amx" and not (on.amx and kernels.amx_possible()):
+        return "EAGLE_NO_AMX=1" if not on.amx else "no AMX tiles here (CPU, compiler or OS)"
     return None
+
+
+def force_switches(monkeypatch, **changes) -> None:
+    """The backend's switches in force with `changes` (e.g. amx=False) for this test: chosen by code, so enabling
+    the backend keeps them (`cpu_backend.switches.use`); the previous ones back after the test."""
+    import dataclasses
+
+    from cpu_backend import switches
+
+    monkeypatch.setattr(switches, "_current", dataclasses.replace(switches.current(), **changes))
+    monkeypatch.setattr(switches, "_chosen", True)

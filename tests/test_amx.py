@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from paths import kernel_path_missing
+from paths import force_switches, kernel_path_missing
 
 from cpu_backend import kernels
 from infer import SpeculativeDecoder
@@ -41,7 +41,7 @@ def test_amx_products_keep_each_rows_bits_with_float32_accuracy():
 
 
 def test_bf16_products_keep_each_rows_bits_and_need_the_mark_and_no_gradients(monkeypatch):
-    monkeypatch.setattr(kernels, "INT8_DRAFTS", False)  # marked weights in bfloat16 (int8: the next test)
+    force_switches(monkeypatch, int8_drafts=False)  # marked weights in bfloat16 (int8: the next test)
     g = torch.Generator().manual_seed(4)
     w, b = torch.randn(100, 96, generator=g) * 0.05, torch.randn(100, generator=g)
     gate, up = torch.randn(96, 64, generator=g) * 0.1, torch.randn(96, 64, generator=g) * 0.1

@@ -97,3 +97,30 @@ def test_enabling_again_with_another_plan_routes_the_layers_by_it():
         assert [layer.cpu_plan.rows[1] for layer in layers] == [one_call] * 2
         assert model.model.cpu_plan.rows[1] == one_call
     cpu_backend.disable(model)
+
+
+def test_switches_come_from_the_environment_at_enable_unless_code_chose_them(monkeypatch):
+    from cpu_backend import switches
+    from cpu_backend.switches import Switches
+
+    assert Switches.from_env({}) == Switches()
+    env = {"EAGLE_NO_AMX": "1", "EAGLE_NO_VNNI": "0", "EAGLE_BF16_DRAFTS": "yes", "EAGLE_RECALIBRATE": "1"}
+    assert Switches.from_env(env) == Switches(amx=False, int8_drafts=False, recalibrate=True)
+    # the paths' key names every switch that changes which code computes a product, and only those
+    assert "amx=False" in Switches(amx=False).product_key() and "recalibrate" not in Switches().product_key()
+    monkeypatch.setattr(switches, "_current", None)
+    monkeypatch.setattr(switches, "_chosen", False)
+    model = tiny_target(dtype=torch.float32).model
+    plan = Plan(layouts={f"{m.weight.shape[0]}x{m.weight.shape[1]}": {b: "kernel" for b in BUCKETS}
+                         for m in model.modules() if isinstance(m, torch.nn.Linear)})
+    monkeypatch.setenv("EAGLE_NO_Q4", "1")
+    cpu_backend.enable(model, plan=plan)  # read now, not at import
+    assert switches.current().q4_1 is False
+    monkeypatch.delenv("EAGLE_NO_Q4")
+    chosen = Switches(vnni=False)
+    switches.use(chosen)
+    cpu_backend.enable(model, plan=plan)  # code chose: the environment is not read again
+    assert switches.current() is chosen
+    switches.use(None)  # the environment's again
+    assert switches.current() == Switches.from_env()
+    cpu_backend.disable(model)

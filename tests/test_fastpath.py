@@ -15,7 +15,7 @@ from eagle.attention import use_gqa_sdpa
 from cpu_backend import CPUConfig
 from infer import SpeculativeDecoder
 from infer.cache import TargetCache
-from paths import kernel_path_missing
+from paths import force_switches, kernel_path_missing
 from tests.tiny import tiny_head, tiny_target
 
 
@@ -412,16 +412,16 @@ def _check_screen_edge_cases() -> None:
 @pytest.mark.parametrize("tiles", [True, False])
 def test_screened_argmax_is_the_kernels_argmax_bit_for_bit(threads, tiles, monkeypatch):
     # tiles: the AMX layout where this machine has it (tile products from 5 rows; below, the pairs layout's second
-    # copy, or with SCREEN_TILE_ROWS = 0 byte products on the tiles' layout), else the VNNI pairs' (or the float
+    # copy, or with screen_tile_rows = 0 byte products on the tiles' layout), else the VNNI pairs' (or the float
     # path's)
     if tiles and not (kernels.library().screen_tiles() and kernels.amx_on()):
         pytest.skip("no AMX-INT8 here")
-    monkeypatch.setattr(kernels, "AMX", tiles and kernels.AMX)
+    force_switches(monkeypatch, amx=tiles)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         for few in (5, 0) if tiles else (5,):
-            monkeypatch.setattr(kernels, "SCREEN_TILE_ROWS", few)
+            force_switches(monkeypatch, screen_tile_rows=few)
             _check_screen_against_the_kernel(3 + threads)
             _check_screen_edge_cases()
     finally:

@@ -5,6 +5,7 @@ dequantizes them, matched to a model's weights by their rows, and multiplied by 
 import numpy as np
 import pytest
 import torch
+from paths import force_switches
 from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
 from gguf.quants import dequantize
 from test_q4 import VNNI, _byte_products_keep_each_rows_bits, _codes_give_the_float32_bits
@@ -118,7 +119,7 @@ def test_a_target_with_k_quant_weights_decodes_the_same_with_and_without_the_cod
         return
     runs = []
     for on in (True, False):
-        monkeypatch.setattr(kernels, "Q4_1", on)
+        force_switches(monkeypatch, q4_1=on)
         runs += [dec.generate(prompt, max_new_tokens=16, speculative=False).token_ids,
                  dec.generate(prompt, max_new_tokens=16, num_speculative_tokens=3).token_ids]
         assert kernels.packed(layer) & 7 == (6 if on else 0)

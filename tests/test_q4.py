@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from paths import force_switches
 from cpu_backend import kernels
 from infer import SpeculativeDecoder
 from tests.tiny import tiny_head, tiny_target
@@ -29,7 +30,7 @@ def test_q4_1_form_is_found_and_decodes_to_the_weight_bit_for_bit():
 def test_q4_products_give_the_float32_products_bits(monkeypatch):
     # the FMA path: the same float32 weights and the same sums in the same order, so the same bits, for every row
     # count
-    monkeypatch.setattr(kernels, "AMX", False)
+    force_switches(monkeypatch, amx=False)
     _codes_give_the_float32_bits(monkeypatch, kernels.q4_1_weight, 1, tag=1)
 
 
@@ -37,7 +38,7 @@ def _codes_give_the_float32_bits(monkeypatch, make, seed: int, tag: int, in_f: i
     """Products and gated products of weights from `make` read as codes (`packed` tagged `tag`) against their float32
     copies, at every row count: one tile; several, each group decoded once; passes of 96. (The FMA path: VNNI byte
     products give other bits.)"""
-    monkeypatch.setattr(kernels, "VNNI", False)
+    force_switches(monkeypatch, vnni=False)
     g = torch.Generator().manual_seed(seed)
     w, b = make(100, in_f, g), torch.randn(100, generator=g)
     gate, up = make(96, in_f, g), make(96, in_f, g)
@@ -45,7 +46,7 @@ def _codes_give_the_float32_bits(monkeypatch, make, seed: int, tag: int, in_f: i
     for rows in (1, 2, 3, 4, 8, 12, 13, 17, 30, 130):
         out = []
         for codes in (True, False):
-            monkeypatch.setattr(kernels, "Q4_1", codes)
+            force_switches(monkeypatch, q4_1=codes)
             assert kernels.packed(w) & 7 == (tag if codes else 0)  # the codes, or the float32 copy
             out.append((kernels.rows_linear(x[:rows], w, b), kernels.rows_gated(x[:rows], gate, up)))
         assert all(torch.equal(a, c) for a, c in zip(*out))
@@ -83,18 +84,18 @@ def test_decoding_a_q4_1_target_is_the_same_with_and_without_the_codes(monkeypat
     dec = SpeculativeDecoder(target, tiny_head(target))
     prompt = [5, 9, 14, 22, 7]
     runs = []
-    monkeypatch.setattr(kernels, "AMX", False)  # the FMA path keeps the float32 weights' bits
-    monkeypatch.setattr(kernels, "VNNI", False)
+    force_switches(monkeypatch, amx=False)  # the FMA path keeps the float32 weights' bits
+    force_switches(monkeypatch, vnni=False)
     for on in (True, False):
-        monkeypatch.setattr(kernels, "Q4_1", on)
+        force_switches(monkeypatch, q4_1=on)
         runs += [dec.generate(prompt, max_new_tokens=24, speculative=False).token_ids,
                  dec.generate(prompt, max_new_tokens=24, num_speculative_tokens=3).token_ids]
         layer = target.model.model.layers[0].mlp.gate_proj.weight
         assert bool(kernels.packed(layer) & 1) == on
     assert all(r == runs[0] for r in runs)
-    monkeypatch.setattr(kernels, "Q4_1", True)
-    monkeypatch.setattr(kernels, "AMX", True)
-    monkeypatch.setattr(kernels, "VNNI", True)
+    force_switches(monkeypatch, q4_1=True)
+    force_switches(monkeypatch, amx=True)
+    force_switches(monkeypatch, vnni=True)
     tag = 2 if kernels.amx_on() else 9 if kernels.library().vq_supported() else 0
     if tag:  # on AMX tiles or VNNI byte products: other bits, and speculative decoding still gives greedy's tokens
         greedy = dec.generate(prompt, max_new_tokens=24, speculative=False).token_ids
@@ -133,8 +134,8 @@ def _byte_products_keep_each_rows_bits(monkeypatch, make, in_f: int, in_g: int) 
     """Without AMX tiles, codes go to byte products (bit 3 of the address set): other bits than the FMA path's, the
     error of float32 sums or less, and every row the same bits whatever the row count and its place among the rows
     (up to 64 rows, in tiles of 3). Weights from `make`: [100, in_f]; a gate and an up [96, in_g]."""
-    monkeypatch.setattr(kernels, "AMX", False)
-    monkeypatch.setattr(kernels, "VNNI", True)
+    force_switches(monkeypatch, amx=False)
+    force_switches(monkeypatch, vnni=True)
     g = torch.Generator().manual_seed(7)
     w, b = make(100, in_f, g), torch.randn(100, generator=g)
     gate, up, plain_up = make(96, in_g, g), make(96, in_g, g), torch.randn(96, in_g)
@@ -162,11 +163,11 @@ def _byte_products_keep_each_rows_bits(monkeypatch, make, in_f: int, in_g: int) 
     for lo, hi in ((0, 1), (7, 8), (0, 2), (4, 7), (5, 21), (1, 64)):
         part = [kernels.rows_linear(x[lo:hi], w, b), kernels.rows_gated(xg[lo:hi], gate, up)]
         assert all(torch.equal(a, c[lo:hi]) for a, c in zip(part, whole))
-    monkeypatch.setattr(kernels, "VNNI", False)
+    force_switches(monkeypatch, vnni=False)
     fma = kernels.rows_linear(x, w, b)
     assert not torch.equal(fma, whole[0])  # other bits indeed
     bad = x[:3].clone()
     bad[1, 7] = float("nan")  # a row with a NaN: the call takes the FMA path, which carries it
-    monkeypatch.setattr(kernels, "VNNI", True)
+    force_switches(monkeypatch, vnni=True)
     got = kernels.rows_linear(bad, w, b)
     assert torch.isnan(got[1]).all() and torch.equal(got[[0, 2]], fma[[0, 2]])

@@ -5,6 +5,7 @@ import json
 
 import pytest
 import torch
+from paths import force_switches
 from tiny import tiny_head, tiny_target
 
 from infer import DecodeConfig, SpeculativeDecoder
@@ -154,13 +155,13 @@ def test_a_timing_plan_is_keyed_by_the_kernel_path_and_measured_again_on_request
     model = tiny_target(dtype=torch.float32).model
     keys = set()
     for amx, vnni in ((True, True), (False, True), (False, False)):
-        monkeypatch.setattr(kernels, "AMX", amx)
-        monkeypatch.setattr(kernels, "VNNI", vnni)
+        force_switches(monkeypatch, amx=amx)
+        force_switches(monkeypatch, vnni=vnni)
         keys.add(plan.cache_path(model, "passes"))
     assert len(keys) == 3  # EAGLE_NO_AMX / EAGLE_NO_VNNI plan apart
     made = []
     path = str(tmp_path / "plan.json")
     assert plan.cached_json(path, lambda: made.append(1) or {"a": 1}) == {"a": 1}
     assert plan.cached_json(path, lambda: made.append(1) or {"a": 2}) == {"a": 1} and len(made) == 1
-    monkeypatch.setenv("EAGLE_RECALIBRATE", "1")
+    force_switches(monkeypatch, recalibrate=True)  # EAGLE_RECALIBRATE=1
     assert plan.cached_json(path, lambda: made.append(1) or {"a": 3}) == {"a": 3} and len(made) == 2

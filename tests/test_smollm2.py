@@ -4,6 +4,7 @@ import json
 
 import pytest
 import torch
+from paths import force_switches
 from test_decoding import OracleProposer
 
 from eagle import EagleHead, HeadConfig, load_target
@@ -97,9 +98,9 @@ def test_smollm2_weights_are_read_as_q4_1_codes_with_the_same_bits(target, basel
     feats = []
     with torch.inference_mode():
         for on, fast in ((True, False), (False, False), (True, True)):
-            monkeypatch.setattr(kernels, "Q4_1", on)
-            monkeypatch.setattr(kernels, "AMX", fast)
-            monkeypatch.setattr(kernels, "VNNI", fast)
+            force_switches(monkeypatch, q4_1=on)
+            force_switches(monkeypatch, amx=fast)
+            force_switches(monkeypatch, vnni=fast)
             cache = TargetCache()
             target.features(ids, position_ids=torch.arange(n)[None], cache=cache.hf)
             step = target.features(new[:, :1], position_ids=torch.tensor([[n]]), cache=cache.hf)
@@ -121,7 +122,7 @@ def test_smollm2_weights_are_read_as_q4_1_codes_with_the_same_bits(target, basel
     logits = []
     with torch.inference_mode():
         for on in (True, False):
-            monkeypatch.setattr(kernels, "Q4_1", on)
+            force_switches(monkeypatch, q4_1=on)
             assert kernels.packed(lm) & 15 == (5 if on else 0)
             logits.append(kernels.rows_linear(rows, lm, None))
     assert torch.equal(*logits)

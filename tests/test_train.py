@@ -6,9 +6,9 @@ import math
 
 import pytest
 import torch
+from paths import force_switches
 from tiny import tiny_target
 
-from cpu_backend import kernels
 from eagle import EagleHead
 from eagle.configio import load_config
 from train.config import TrainConfig
@@ -354,7 +354,7 @@ def test_simulated_acceptance_is_what_decoding_accepts(tmp_path, target, monkeyp
 
     # the simulation drafts in float32; decoding's int8 / bfloat16 drafts (`kernels.draft_precision`) can flip a
     # near tie of this tiny random model's draft logits, so they are compared in float32 here
-    monkeypatch.setattr(kernels, "LOW_PRECISION_DRAFTS", False)
+    force_switches(monkeypatch, low_precision_drafts=False)
 
     write_prepared(tmp_path / "data", target, rows=12)
     train(config(tmp_path, "budget.max_steps=60", "eval.num_speculative_tokens=3"), target=target)
