@@ -3,12 +3,11 @@
 Up to `MAX_ROWS` float32 query rows on the CPU go to `kernels.attend`, which reads the grouped key/value heads in
 place and computes each query row alone, so that a verification pass gives a token the same bits as a one-token
 step. Everything else goes to the core's `gqa_sdpa` (eagle.attention). `use(model, True)` switches a model whose
-attention is `sdpa` or `gqa_sdpa` to this one (`IMPLEMENTATION`), `use(model, False)` back to what it was.
+attention is `gqa_sdpa` to this one (`IMPLEMENTATION`; from `sdpa`, under a second name), `use(model, False)` back
+to what it was.
 """
 
 from __future__ import annotations
-
-import weakref
 
 import torch
 
@@ -17,8 +16,9 @@ from eagle.attention import IMPLEMENTATION as GQA_SDPA
 from eagle.attention import gqa_sdpa, register
 
 MAX_ROWS = 64  # query rows the C kernel takes (measured: faster than folded sdpa up to 96 rows at 256-1024 keys)
-IMPLEMENTATION = "eagle_cpu_sdpa"
-_registered = False
+IMPLEMENTATION = "eagle_cpu_sdpa"  # this attention, switched from the core's gqa_sdpa (the decoder's)
+# every name this attention is registered under -> the attention a model had before `use` switched it
+SWITCHED_FROM = {IMPLEMENTATION: GQA_SDPA, f"{IMPLEMENTATION}_from_sdpa": "sdpa"}
 
 
 def kernel_fits(query, key, value, attention_mask, dropout, kwargs) -> bool:
@@ -47,21 +47,20 @@ def cpu_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=Non
                     **kwargs)
 
 
-_before: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> the attention `use` switched it from
-
-
 def use(model, on: bool) -> bool:
     """Switch a transformers model from `sdpa` or `gqa_sdpa` to this attention (on), or back to the one it had (off;
-    eager or flash attention are left alone). Returns whether the model uses this attention now."""
-    global _registered
+    eager or flash attention are left alone). Returns whether the model uses this attention now. The name it runs
+    under says which it came from (`SWITCHED_FROM`), so a deep copy of the model goes back to the same one."""
     config = model.config
     current = config._attn_implementation
     if on and current in ("sdpa", GQA_SDPA):
-        if not _registered:
-            register(IMPLEMENTATION, cpu_sdpa)
-            _registered = True
-        _before[model] = current
-        model.set_attn_implementation(IMPLEMENTATION)
-    elif not on and current == IMPLEMENTATION:
-        model.set_attn_implementation(_before.pop(model, "sdpa"))
-    return config._attn_implementation == IMPLEMENTATION
+        model.set_attn_implementation(next(k for k, v in SWITCHED_FROM.items() if v == current))
+    elif not on and current in SWITCHED_FROM:
+        model.set_attn_implementation(SWITCHED_FROM[current])
+    return config._attn_implementation in SWITCHED_FROM
+
+
+# registered on import, not on first use: a model pickled whole while the backend was on (its modules pickle as the
+# stock ones, its config keeps this attention's name) then loads in any process that imports the backend
+for _name in SWITCHED_FROM:
+    register(_name, cpu_sdpa)

@@ -20,7 +20,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from cpu_backend import kernels, switches
-from cpu_backend.attention import IMPLEMENTATION as ATTENTION_IMPLEMENTATION
+from cpu_backend.attention import SWITCHED_FROM as ATTENTION_NAMES
 from cpu_backend.attention import MAX_ROWS as ATTENTION_ROWS
 from cpu_backend.modules import BackendModule, row_spans
 from cpu_backend.parts import (KernelMLP, KernelNorm, PackedLinear, norm_weight, row_index, stock_modules_on_cpu,
@@ -60,7 +60,7 @@ def _cache_slot(attn: nn.Module, x: torch.Tensor, pe, mask, cache):
     m = x.shape[1]
     if (not x.is_cpu or x.dtype != torch.float32 or not x.is_contiguous()
             or wants_grad(x, attn.cpu_plan.params[0]["weight"])
-            or _attn_implementation(attn.config) != ATTENTION_IMPLEMENTATION or not _rotary_fits(pe, m, attn.head_dim)):
+            or _attn_implementation(attn.config) not in ATTENTION_NAMES or not _rotary_fits(pe, m, attn.head_dim)):
         return None
     layers = getattr(cache, "layers", None)
     layer = layers[attn.layer_idx] if layers is not None and len(layers) > attn.layer_idx else None
@@ -486,7 +486,7 @@ def _stack_call(mod: nn.Module, kwargs: dict, plan: StackPlan):
             or not 0 < ids.shape[1] <= MAX_ROWS or not plan.rows[ids.shape[1]]
             or not isinstance(pos, torch.Tensor) or pos.shape != ids.shape or torch.is_grad_enabled()
             or not isinstance(cache, DynamicCache) or len(cache.layers) != len(mod.layers)
-            or _attn_implementation(mod.config) != ATTENTION_IMPLEMENTATION):
+            or _attn_implementation(mod.config) not in ATTENTION_NAMES):
         return None
     m = ids.shape[1]
     layers = cache.layers

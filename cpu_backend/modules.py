@@ -16,6 +16,7 @@ either: `kernels.layouts(weight)` keeps them beside the weight, for as long as i
 
 from __future__ import annotations
 
+import copy
 import inspect
 import types
 from typing import ClassVar
@@ -61,6 +62,21 @@ class BackendModule(nn.Module):
         self.__dict__.pop("cpu_plan", None)
         self.__class__ = self.stock
         return self
+
+    def __deepcopy__(self, memo) -> nn.Module:
+        """A copy of this backend module, of the same class (an enabled model's copy stays enabled: train's feature
+        pass makes a bfloat16 one); its plan copied as its fields define (StackPlan drops its C tables)."""
+        new = object.__new__(type(self))
+        memo[id(self)] = new
+        new.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        return new
+
+    def __reduce_ex__(self, protocol):
+        """Pickled (`torch.save` of a whole model) as its stock module, without the plan: the backend's classes are
+        this process's arrangement of the model (`cpu_backend.enable` makes it again after loading), and theirs are
+        not names pickle can find."""
+        state = {k: v for k, v in self.__getstate__().items() if k != "cpu_plan"}
+        return object.__new__, (self.stock,), state
 
     def stock_forward(self, *args, **kwargs):
         return self.stock.forward(self, *args, **kwargs)

