@@ -1,6 +1,6 @@
 """What `cpu_backend.enable` does to a model, checked: the backend's own module classes, nothing hung on torch's.
 
-    .venv/bin/python benchmarks/backend_modules.py [--target smollm2-135m] [--head HEAD]
+    .venv/bin/python benchmarks/backend_modules.py [--target smollm2-135m] [--head HEAD] [--routes]
 
 Loads the target, records its module types, state_dict keys and the logits of a prompt, then calls
 `cpu_backend.enable(model, gguf=...)` (and with `--head`, enables an attached EAGLE head with `drafts=True`) and
@@ -46,8 +46,9 @@ def tensor_attributes(model: torch.nn.Module) -> dict[str, list[str]]:
     return {name: sorted(t.__dict__) for name, t in tensors}
 
 
-def check(target_name: str = "smollm2-135m", head_dir: str | None = None) -> dict:
-    """Run the checks; returns {check: bool, ..., "backend_modules": {class: count}, "max_logit_diff": float}."""
+def check(target_name: str = "smollm2-135m", head_dir: str | None = None, routes: bool = False) -> dict:
+    """Run the checks; returns {check: bool, ..., "backend_modules": {class: count}, "max_logit_diff": float}. With
+    `routes`, prints what runs where in the enabled models (`cpu_backend.routes`) after their first pass."""
     target = load_target(target_name)
     model = target.model
     ids = torch.tensor([target.tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}],
@@ -65,6 +66,9 @@ def check(target_name: str = "smollm2-135m", head_dir: str | None = None) -> dic
     with torch.no_grad():
         fast_logits = model(ids).logits
     during = snapshot(model)
+    if routes:
+        for m in models:
+            print(cpu_backend.Route.table(cpu_backend.routes(m)))
     kinds = Counter(f"{type(m).__name__}({m.stock.__name__})" for mod in models for m in mod.modules()
                     if isinstance(m, BackendModule))
     result = {
@@ -95,8 +99,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", default="smollm2-135m")
     ap.add_argument("--head", help="an EAGLE head directory to enable beside the target")
+    ap.add_argument("--routes", action="store_true", help="print what runs where (`cpu_backend.routes`) first")
     args = ap.parse_args()
-    result = check(args.target, args.head)
+    result = check(args.target, args.head, args.routes)
     failed = [k for k, v in result.items() if v is False]
     for k, v in result.items():
         print(f"{k}: {v}")

@@ -35,15 +35,15 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from cpu_backend import draft, fastpath, gguf_codes, kernels, parts, switches
+from cpu_backend import draft, fastpath, gguf_codes, kernels, modules, parts, switches
 from cpu_backend.attention import MAX_ROWS as PREFILL_ROWS  # rows a pass may bring to the C attention and layers
 from cpu_backend.kernels import KernelError, available
 from cpu_backend.plan import Plan
 from cpu_backend.switches import Switches
 from eagle.head import EagleHead
 
-__all__ = ["CPUConfig", "Switches", "Screen", "available", "enable", "disable", "enabled", "applies", "greedy_chain",
-           "compact_kv", "plan_training", "PREFILL_ROWS", "KernelError"]
+__all__ = ["CPUConfig", "Switches", "Route", "routes", "Screen", "available", "enable", "disable", "enabled",
+           "applies", "greedy_chain", "compact_kv", "plan_training", "PREFILL_ROWS", "KernelError"]
 
 
 @dataclass
@@ -99,6 +99,40 @@ def disable(model: nn.Module) -> None:
 
 def enabled(model: nn.Module) -> bool:
     return fastpath.fast_linear_enabled(model)
+
+
+@dataclass
+class Route:
+    """What runs one backend module of a model (`routes`)."""
+
+    module: str  # its name in the model
+    runs: str    # the backend's class (the stock class)
+    plan: str    # where its C runs: its plan (row counts, ...)
+    weight: str  # how the kernels read its weight (`kernels.read_as`; "" where none was read yet)
+
+    @staticmethod
+    def table(routes: list["Route"]) -> str:
+        """The routes as aligned text, after a line on the paths the switches and this CPU allow."""
+        c = available()
+        head = (f"C kernels: {c}; Q4_1 codes: {switches.current().q4_1}; AMX tiles: {c and kernels.amx_on()}; "
+                f"VNNI byte products: {c and kernels.vnni_on()}; (float32 on the CPU, no gradients)")
+        rows = [("module", "runs", "plan", "weight read as")] + [(r.module, r.runs, r.plan, r.weight) for r in routes]
+        width = [max(len(row[i]) for row in rows) for i in range(3)]
+        return "\n".join([head, *("  ".join(c.ljust(w) for c, w in zip(row[:3], width)) + "  " + row[3]
+                                   for row in rows)])
+
+
+def routes(model: nn.Module) -> list[Route]:
+    """What runs where in an enabled `model`, one Route per backend module, read from the modules themselves: which
+    backend class, at which row counts its C runs (its plan), how the kernels read its weight. Everything else (other
+    dtypes, devices, gradients, larger inputs) runs the stock forward."""
+    out = []
+    for name, mod in model.named_modules():
+        if isinstance(mod, modules.BackendModule):
+            w = mod._parameters.get("weight")
+            out.append(Route(name or type(model).__name__, mod._get_name(), mod.plan_repr(),
+                             kernels.read_as(w) if isinstance(w, torch.Tensor) else ""))
+    return out
 
 
 def _own_weights(head: EagleHead) -> list[torch.Tensor]:

@@ -502,9 +502,9 @@ def pack_bf16(weight: torch.Tensor) -> torch.Tensor:
 def draft_precision(weights: list[torch.Tensor], on: bool = True) -> None:
     """Mark (or unmark) `weights` to be multiplied in low precision where `packed` can (the `low_precision_drafts`
     switch) and no gradient is being recorded: an EAGLE head's while it drafts. In int8 with a scale per output where
-    the CPU has AMX-INT8 or AVX512-VNNI (`int8_drafts`), else on AMX tiles in bfloat16. A draft only has to be likely, not exact
-    (the target checks every token), and this reads a quarter (a half) of float32's bytes; measured, the acceptance
-    stays (BENCHMARKS.md)."""
+    the CPU has AMX-INT8 or AVX512-VNNI (`int8_drafts`), else on AMX tiles in bfloat16. A draft only has to be
+    likely, not exact (the target checks every token), and this reads a quarter (a half) of float32's bytes;
+    measured, the acceptance stays (BENCHMARKS.md)."""
     for w in weights:
         entry = layouts(w)
         entry.draft = on
@@ -634,6 +634,22 @@ def _packed_address(weight: torch.Tensor) -> int:
     return address
 
 
+# what the low bits of a layout's address (`packed`) say the kernels read; bit 3 on top: by byte products (VNNI)
+ADDRESS_TAGS = {0: "float32 copy", 1: "Q4_1 codes", 2: "Q4_1 codes on AMX tiles", 3: "bfloat16 on AMX tiles",
+                4: "int8 draft copy", 5: "Q8_0 codes", 6: "K-quant codes"}
+
+
+def read_as(weight: torch.Tensor) -> str:
+    """How the kernels read `weight` in the last product they made (`packed`'s address tag, `ADDRESS_TAGS`), or ""
+    where they made none yet."""
+    entry = layouts(weight, make=False)
+    hit = entry.made.get("address") if entry is not None else None
+    if hit is None:
+        return ""
+    tag = hit[1] & 15
+    return ADDRESS_TAGS.get(tag & 7, "?") + (", byte products" if tag & 8 else "")
+
+
 def unpack(weight: torch.Tensor) -> None:
     """Drop the copies the kernels keep for `weight` (`packed`, `screen_tables`, a norm's 1 + weight), and their
     memory; the K-quant codes read for it and its draft mark stay (they are facts about the weight, not copies)."""
@@ -721,7 +737,8 @@ def screen_tables(weight: torch.Tensor, rows: int = 16
     in the pairs layout, kept beside it."""
     lib = _lib or library()
     tiles = bool(lib.screen_tiles()) and amx_on()
-    form = "tiles" if tiles and rows >= switches.current().screen_tile_rows else "pairs" if lib.screen_pairs() else "rows"
+    few = rows < switches.current().screen_tile_rows
+    form = "tiles" if tiles and not few else "pairs" if lib.screen_pairs() else "rows"
     return kept(weight, "screen_few" if tiles and form != "tiles" else "screen",
                  lambda w: _screened(w, form), form)
 

@@ -146,3 +146,23 @@ def test_switches_come_from_the_environment_at_enable_unless_code_chose_them(mon
     switches.use(None)  # the environment's again
     assert switches.current() == Switches.from_env()
     cpu_backend.disable(model)
+
+
+@needs_kernel
+def test_routes_say_what_runs_where():
+    target = tiny_target(dtype=torch.float32, hidden=64, layers=2)
+    model = target.model
+    kernel = Plan(layouts={f"{m.weight.shape[0]}x{m.weight.shape[1]}": {b: "kernel" for b in BUCKETS}
+                           for m in model.modules() if isinstance(m, nn.Linear)})
+    cpu_backend.enable(model, plan=kernel)
+    with torch.no_grad():
+        model(torch.tensor([[5, 9, 14]]))
+    routes = {r.module: r for r in cpu_backend.routes(model)}
+    assert len(routes) == sum(isinstance(m, BackendModule) for m in model.modules())
+    q = routes["model.layers.0.self_attn.q_proj"]
+    assert (q.runs, q.plan, q.weight) == ("PackedLinear(Linear)", "kernel at 1-256 rows", "float32 copy")
+    assert routes["model"].runs == "FusedStack(LlamaModel)" and routes["model.layers.1"].plan.startswith("one call")
+    table = cpu_backend.Route.table(list(routes.values())).splitlines()
+    assert table[0].startswith("C kernels: True") and len(table) == len(routes) + 2
+    cpu_backend.disable(model)
+    assert cpu_backend.routes(model) == []
