@@ -2,9 +2,11 @@
 
     .venv/bin/python benchmarks/pass_ab.py --against HEAD~1 --rows 1 4 8 16
 
-The Python side of the fast path (`cpu_backend/fastpath.py`, `eagle/fastlinear.py` before the CPU backend moved into
-cpu_backend/: which forwards are patched and how they call the kernels) is taken from the revision; the C kernels,
-the C attention and everything else are this tree's, so the comparison isolates the patched forwards. With
+The Python side of the fast path (its cpu_backend/ package, imported as a package of its own, where it has
+`parts.py`; before, its `cpu_backend/fastpath.py` or `eagle/fastlinear.py`: which modules the backend replaces and how
+they call the kernels) is taken from the revision; the C kernels, the C attention and everything else are this
+tree's, so the comparison isolates the backend's modules. A revision whose fast path reads the kernels' old switch
+globals (`kernels.AMX`, ...; before the switches became one object) needs `--kernel`. With
 `--kernel` the revision's C kernels (`cpu_backend/kernels.py` and its csrc/, or `eagle/cpukernel.py` before) are
 used for its variant too, each variant with the layout plan calibrated for its kernels:
 
@@ -14,8 +16,8 @@ Four variants are timed, interleaved round by round (order reversed every other 
 a KV cache of --context tokens: the revision's, this tree's without its one-call decoder layers (each layer runs
 its patched norms, attention and MLP), this tree's with each layer in one call but not all layers in one call
 (`cpu_backend.kernels.decoder_stack`), and this tree's.
-The table shows ms per pass (features and logits of every row, speed.py's `pass_ms`) for each number of new
-tokens.
+The table shows ms per pass (features and the greedy token of every row from the whole lm_head, speed.py's
+`pass_ms` without the screen) for each number of new tokens.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+import cpu_backend
 from cpu_backend import attention as cpu_attention
 from cpu_backend import fastpath, fused
 from cpu_backend import kernels as cpu_kernels
@@ -75,7 +78,11 @@ def fastpath_at(rev: str, kernel: bool = False):
     if (tree_at(rev) / "cpu_backend" / "parts.py").exists():  # the fast path in several modules of the package
         return package_at(rev, kernel).fastpath
     moved = (tree_at(rev) / "cpu_backend" / "fastpath.py").exists()
-    module = module_at(rev, "cpu_backend/fastpath.py" if moved else "eagle/fastlinear.py")
+    path = "cpu_backend/fastpath.py" if moved else "eagle/fastlinear.py"
+    if not kernel and re.search(r"\b(kernels|cpukernel)\.(Q4_1|AMX|VNNI)\b", (tree_at(rev) / path).read_text()):
+        # this tree's kernels have no such globals (the switches are one object now): its checks would fail quietly
+        raise SystemExit(f"{rev}: its fast path reads the kernels' switch globals; compare it with --kernel")
+    module = module_at(rev, path)
     if kernel:
         kernels = module_at(rev, "cpu_backend/kernels.py" if moved else "eagle/cpukernel.py")
         setattr(module, "kernels" if moved else "cpukernel", kernels)
@@ -109,13 +116,13 @@ def kernels_of(module):
     return module.kernels if hasattr(module, "kernels") else module.cpukernel
 
 
-def use_kernels_of(module, model: torch.nn.Module) -> None:
+def use_kernels_of(module, model: torch.nn.Module, every: tuple) -> None:
     """Every fast path's modules off `model` (this tree's backend classes, a revision's patched forwards), and the C
     attention (this tree's `cpu_backend.attention`) on, calling the kernels module that fast path `module` calls.
     (This tree's fast path switches that attention on itself; one from before cpu_backend/ left it to the
     decoder.)"""
-    module.disable_fast_linear(model)
-    fastpath.disable_fast_linear(model)
+    for other in every:  # (a revision with cpu_backend/ split in modules has backend classes of its own)
+        other.disable_fast_linear(model)
     cpu_attention.kernels = kernels_of(module)
     cpu_attention.use(model, True)
 
@@ -145,10 +152,12 @@ def main() -> None:
     text = real_text(dec, args.data, args.context + max(args.rows))
     dec.use_fast_path(True)  # the backend on as decoding runs it, and the plan it uses (calibrated once per machine)
     plan = fastpath.load_or_calibrate(target.model, run=dec._calibration_pass)
+    # from here on this script puts each variant's modules on; the decoder must not enable this tree's over them
+    cpu_backend.enabled = lambda model: True
     old = fastpath_at(args.against, kernel=args.kernel)
     plans = {fastpath: plan, old: plan}
     if args.kernel:  # the revision's kernels get the plan calibrated for them
-        use_kernels_of(old, target.model)
+        use_kernels_of(old, target.model, (old, fastpath))
         plans[old] = old.load_or_calibrate(target.model, run=dec._calibration_pass)
     variants = {args.against: (old, None), "this tree, layers not in one call": (fastpath, "layers"),
                 "this tree, each layer in one call": (fastpath, "stack"), "this tree": (fastpath, None)}
@@ -156,12 +165,12 @@ def main() -> None:
     for rnd in range(args.rounds):
         order = list(variants.items())
         for name, (module, unfused) in order if rnd % 2 == 0 else order[::-1]:
-            use_kernels_of(module, target.model)
+            use_kernels_of(module, target.model, (old, fastpath))
             module.enable_fast_linear(target.model, plans[module])
             if unfused:
                 unfuse(target.model, layers=unfused == "layers")
-            # pass_ms keeps these patches: use_fast_path(True) patches only a model that has none
-            for rows, ms in pass_ms(dec, text, args.context, args.rows, args.passes, fast=True).items():
+            # greedy tokens from the whole lm_head in every variant: this tree's screen takes only its own PackedLinear
+            for rows, ms in pass_ms(dec, text, args.context, args.rows, args.passes, fast=True, screen=False).items():
                 times[(name, rows)].append(ms)
     print(f"threads {torch.get_num_threads()}, context {args.context}; median over {args.rounds} rounds of "
           f"each round's median ms per pass ({args.passes} passes)")
