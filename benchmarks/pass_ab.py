@@ -75,13 +75,15 @@ def fastpath_at(rev: str, kernel: bool = False):
     """The fast path's module as it was at `rev` (cpu_backend/fastpath.py, or eagle/fastlinear.py before it); with
     `kernel`, calling the C kernels of that revision too (its cpu_backend/kernels.py, or eagle/cpukernel.py, built
     into the kernel cache under its own key)."""
-    if (tree_at(rev) / "cpu_backend" / "parts.py").exists():  # the fast path in several modules of the package
-        return package_at(rev, kernel).fastpath
+    split = (tree_at(rev) / "cpu_backend" / "parts.py").exists()  # the fast path in several modules of the package
     moved = (tree_at(rev) / "cpu_backend" / "fastpath.py").exists()
     path = "cpu_backend/fastpath.py" if moved else "eagle/fastlinear.py"
-    if not kernel and re.search(r"\b(kernels|cpukernel)\.(Q4_1|AMX|VNNI)\b", (tree_at(rev) / path).read_text()):
+    files = sorted((tree_at(rev) / "cpu_backend").glob("*.py")) if split else [tree_at(rev) / path]
+    if not kernel and any(re.search(r"\b(kernels|cpukernel)\.(Q4_1|AMX|VNNI)\b", f.read_text()) for f in files):
         # this tree's kernels have no such globals (the switches are one object now): its checks would fail quietly
         raise SystemExit(f"{rev}: its fast path reads the kernels' switch globals; compare it with --kernel")
+    if split:
+        return package_at(rev, kernel).fastpath
     module = module_at(rev, path)
     if kernel:
         kernels = module_at(rev, "cpu_backend/kernels.py" if moved else "eagle/cpukernel.py")

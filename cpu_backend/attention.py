@@ -61,6 +61,8 @@ def use(model, on: bool) -> bool:
 
 
 # registered on import, not on first use: a model pickled whole while the backend was on (its modules pickle as the
-# stock ones, its config keeps this attention's name) then loads in any process that imports the backend
+# stock ones, its config keeps this attention's name) then loads in any process that imports the backend, and `use`
+# can give it back the core's gqa_sdpa there
 for _name in SWITCHED_FROM:
     register(_name, cpu_sdpa)
+register(GQA_SDPA, gqa_sdpa)

@@ -71,6 +71,12 @@ class BackendModule(nn.Module):
         new.__dict__.update(copy.deepcopy(self.__dict__, memo))
         return new
 
+    def __copy__(self) -> nn.Module:
+        """A shallow copy of the same class (pickling, below, gives the stock one)."""
+        new = object.__new__(type(self))
+        new.__dict__.update(self.__dict__)
+        return new
+
     def __reduce_ex__(self, protocol):
         """Pickled (`torch.save` of a whole model) as its stock module, without the plan: the backend's classes are
         this process's arrangement of the model (`cpu_backend.enable` makes it again after loading), and theirs are

@@ -44,12 +44,12 @@ class Switches:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> "Switches":
-        """The switches the environment (`env`, else os.environ) sets: a variable set to anything but "" or "0"
-        is on."""
+        """The switches the environment (`env`, else os.environ) sets: a variable set to anything but "" is on
+        (EAGLE_NO_AMX=0 too, as always)."""
         env = os.environ if env is None else env
 
         def set_(name: str) -> bool:
-            return env.get(name, "") not in ("", "0")
+            return bool(env.get(name))
 
         return cls(kernel=not set_("EAGLE_NO_KERNEL"), require_kernel=set_("EAGLE_REQUIRE_KERNEL"),
                    q4_1=not set_("EAGLE_NO_Q4"), amx=not set_("EAGLE_NO_AMX"), vnni=not set_("EAGLE_NO_VNNI"),

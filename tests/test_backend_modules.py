@@ -62,6 +62,7 @@ def test_enable_swaps_classes_keeps_parameters_and_disable_gives_the_stock_model
             "DraftingHead", "HeadAttention", "HeadLayer"} <= kinds
     layer = model.model.layers[0]
     assert isinstance(layer, type(layer).stock) and "FusedLayer(LlamaDecoderLayer)" in repr(model)
+    assert type(copy.copy(layer)) is type(layer) and copy.copy(layer).cpu_plan is layer.cpu_plan
     assert "PackedLinear(Linear)(in_features=64" in repr(layer.self_attn)
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, want, rtol=1e-4, atol=1e-4)
@@ -126,7 +127,7 @@ def test_switches_come_from_the_environment_at_enable_unless_code_chose_them(mon
     from cpu_backend.switches import Switches
 
     assert Switches.from_env({}) == Switches()
-    env = {"EAGLE_NO_AMX": "1", "EAGLE_NO_VNNI": "0", "EAGLE_BF16_DRAFTS": "yes", "EAGLE_RECALIBRATE": "1"}
+    env = {"EAGLE_NO_AMX": "1", "EAGLE_NO_VNNI": "", "EAGLE_BF16_DRAFTS": "yes", "EAGLE_RECALIBRATE": "1"}
     assert Switches.from_env(env) == Switches(amx=False, int8_drafts=False, recalibrate=True)
     # the paths' key names every switch that changes which code computes a product, and only those
     assert "amx=False" in Switches(amx=False).product_key() and "recalibrate" not in Switches().product_key()

@@ -135,6 +135,7 @@ def test_calibration_prefills_its_context_once_and_times_every_pass_after_it(tmp
     lengths.clear()
     dec._calib = None
     monkeypatch.setattr(fastpath, "BUCKETS", (1, 4))  # two row counts are enough to see the passes
+    monkeypatch.setattr(plan, "BUCKETS", (1, 4))  # (and the plan's cache file names them)
     dec.use_fast_path(True)  # calibrates the target by whole passes after a 128-token context
     assert lengths.count(128) == 1 and set(lengths) == {128, 1, 4} and len(lengths) > 3
     assert dec._calib is None  # the context cache is not kept once the plan is made

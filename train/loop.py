@@ -58,7 +58,18 @@ def train(cfg: TrainConfig, target: TargetModel | None = None) -> TrainState:
     # a process may wait at a barrier for another that loads a 70B target or validates: a process group that waits
     # longer than NCCL's default 10 minutes
     wait = InitProcessGroupKwargs(timeout=timedelta(hours=float(os.environ.get("EAGLE_DIST_TIMEOUT_HOURS", 12))))
+    owned = not (torch.distributed.is_available() and torch.distributed.is_initialized())
     accelerator = Accelerator(cpu=device.type == "cpu", kwargs_handlers=[wait])
+    state = _train(cfg, target, accelerator)
+    # the process group this run made (under torchrun) closed here: left to the interpreter's exit, gloo's threads
+    # have aborted a process that had finished its work ("terminate called without an active exception")
+    if owned:
+        accelerator.end_training()
+    return state
+
+
+def _train(cfg: TrainConfig, target: TargetModel | None, accelerator) -> TrainState:
+    """`train`'s steps after the launch: 2-7 below, in every process."""
     ranks = Ranks.of(accelerator)
     precision = Precision.of(cfg, accelerator.device, target)
     check_launch(cfg, accelerator, precision)
