@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from cpu_backend import kernels, switches
+from cpu_backend import kernels, switches, toolchain
 from speed import bandwidth_gb_s  # benchmarks/speed.py: GB/s of summing a 256 MB tensor
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -58,7 +58,7 @@ def peak_fma(threads: int, iters: int = 50_000_000, width: int = 8) -> float:
     threads."""
     path = Path(tempfile.mkdtemp()) / "peak.so"
     source = PEAK_SOURCE if width == 8 else PEAK_SOURCE.replace("__m256", "__m512").replace("_mm256_", "_mm512_")
-    kernels.build(path, source)
+    toolchain.compile_library(path, source)
     lib = ctypes.CDLL(str(path))
     lib.fma_chains.argtypes, lib.fma_chains.restype = [ctypes.c_long, ctypes.c_int], ctypes.c_float
     best = min(_timed(lambda: lib.fma_chains(iters, threads)) for _ in range(5))
@@ -116,13 +116,13 @@ def source_folder(cpukernel_text: str) -> Path:
 
 def compiled(csrc: Path) -> ctypes.CDLL:
     """kernels.c of the folder `csrc` (with the parts it includes) compiled as this tree's kernels are (its compiler
-    and `kernels.FLAGS`) into a new temporary directory, and loaded with this tree's argument types (`kernels.load`,
+    and `toolchain.FLAGS`) into a new temporary directory, and loaded with this tree's argument types (`kernels.load`,
     which wants the library's sha256 beside it)."""
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         raise SystemExit("no C compiler (cc / gcc, or $CC) on PATH")
     lib = Path(tempfile.mkdtemp(dir=SCRATCH.name)) / "kernels.so"
-    done = subprocess.run([cc, *kernels.FLAGS, str(csrc / "kernels.c"), "-o", str(lib), "-lm"], capture_output=True,
+    done = subprocess.run([cc, *toolchain.FLAGS, str(csrc / "kernels.c"), "-o", str(lib), "-lm"], capture_output=True,
                           text=True)
     if done.returncode != 0:
         raise SystemExit(f"{csrc / 'kernels.c'} did not build ({cc} exited {done.returncode}):\n{done.stderr[-4000:]}")

@@ -40,7 +40,7 @@ token exactly the bits a single-token step gives it (tests/test_attention.py che
 whole model).
 
 The C lives in `cpu_backend/csrc/` (kernels.c includes the parts, one per concern). It is compiled once per machine
-and source with the system C compiler (`FLAGS`: `-O3 -march=native -fopenmp`, warnings on) into
+and source with the system C compiler (`toolchain.FLAGS`: `-O3 -march=native -fopenmp`, warnings on) into
 `$EAGLE_CACHE/kernels/`, a folder only its owner may write, with the library's sha256 beside it: a library whose
 bytes differ is built again, never loaded. Without a compiler, or on a CPU the build fails on, `available()` is
 False (the compiler's error printed once) and callers keep the stock torch ops; with EAGLE_REQUIRE_KERNEL=1 that is
@@ -51,13 +51,7 @@ when the backend is enabled (`cpu_backend.switches`).
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import platform
-import shutil
-import subprocess
 import sys
-import tempfile
 import threading
 import weakref
 from dataclasses import dataclass, field
@@ -65,43 +59,14 @@ from pathlib import Path
 
 import torch
 
-from cpu_backend import gguf_codes, switches
-from eagle.target import cache_root
+from cpu_backend import gguf_codes, switches, toolchain
+from cpu_backend.toolchain import KernelError
 
 BLOCK = 32  # input features consumed per inner iteration: in_features must be a multiple
-
-CSRC = Path(__file__).resolve().parent / "csrc"  # the C: kernels.c and the parts it includes
-
-FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-Wall", "-Wextra"]
 
 _lib: ctypes.CDLL | None = None
 _tried = False
 _error = ""  # why there is no kernel, once `library` has tried
-
-
-class KernelError(OSError):
-    """The kernel could not be built or loaded here; the message says why in one line (the compiler's own error
-    follows on the next lines)."""
-
-
-def sources() -> dict[str, bytes]:
-    """The kernels' C files (CSRC: kernels.c, the parts it includes and their headers) by name, in name order; none
-    where the folder is missing (then `build` says so)."""
-    try:
-        return {f.name: f.read_bytes() for f in sorted(CSRC.iterdir()) if f.suffix in (".c", ".h")}
-    except FileNotFoundError:
-        return {}
-
-
-def library_key() -> str:
-    """Names this kernel build: its C files (each name and its bytes), flags and CPU (a change to any of them builds,
-    and plans, anew)."""
-    key = hashlib.sha1()
-    for name, data in sources().items():
-        key.update(f"{name}|{len(data)}|".encode())
-        key.update(data)
-    key.update("|".join([*FLAGS, platform.machine(), _cpu_flags()]).encode())
-    return key.hexdigest()[:12]
 
 
 def path_key() -> str:
@@ -113,71 +78,13 @@ def path_key() -> str:
     return f"{kernel}|{switches.current().product_key()}"
 
 
-def _library_path() -> Path:
-    return cache_root() / "kernels" / f"rows_linear-{library_key()}.so"
-
-
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
-
-
-def private_dir(path: Path) -> Path:
-    """`path`, made if missing (mode 700), refused unless it is this user's and no one else may write to it: a
-    compiled library is only loaded from such a folder."""
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    st = path.stat()
-    if st.st_uid != os.getuid() or st.st_mode & 0o022:
-        raise KernelError(f"kernel folder {str(path)!r} is {'not yours' if st.st_uid != os.getuid() else 'writable by others'}"
-                          f" (mode {st.st_mode & 0o777:o}); chmod 700 it or set EAGLE_CACHE to a folder of your own")
-    return path
-
-
-def _digest(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
-def build(path: Path, source: str | None = None) -> None:
-    """Compile the kernels' C (`sources`: kernels.c and what it includes), or `source`, one whole C text (another
-    version of it, a benchmark's), into `path`, whole or not at all (the files copied into a temporary directory and
-    compiled there, then a rename), with its sha256 recorded beside it (`path` + ".sha256"), which `load` checks."""
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        raise KernelError("the CPU kernel needs a C compiler: none (cc / gcc, or $CC) is on PATH")
-    main = "kernels.c" if source is None else "rows_linear.c"
-    files = sources() if source is None else {main: source.encode()}
-    if main not in files:
-        raise KernelError(f"the CPU kernel's C is missing: no {str(CSRC / main)!r}")
-    private_dir(path.parent)
-    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-        for name, data in files.items():
-            (Path(tmp) / name).write_bytes(data)
-        src, lib = Path(tmp) / main, Path(tmp) / "rows_linear.so"
-        try:
-            done = subprocess.run([cc, *FLAGS, str(src), "-o", str(lib), "-lm"], capture_output=True, text=True,
-                                  timeout=300)
-        except (OSError, subprocess.SubprocessError) as e:
-            raise KernelError(f"the CPU kernel did not build: {cc} could not run ({e})") from None
-        if done.returncode != 0:
-            errors = "\n".join(done.stderr.strip().splitlines()[:30])
-            raise KernelError(f"the CPU kernel did not build ({cc} exited {done.returncode}):\n{errors}")
-        digest = Path(tmp) / "rows_linear.so.sha256"
-        digest.write_text(_digest(lib) + "\n")
-        os.replace(lib, path)  # a library without its digest beside it is built again, never loaded
-        os.replace(digest, path.with_name(path.name + ".sha256"))
-
-
 def load(path: Path) -> ctypes.CDLL:
     """A compiled kernel library with the argument types of its functions declared. Only a library whose bytes
-    match the sha256 recorded beside it when it was built, in a folder only its owner can write (`private_dir`)."""
-    private_dir(path.parent)
+    match the sha256 recorded beside it when it was built, in a folder only its owner can write
+    (`toolchain.private_dir`)."""
+    toolchain.private_dir(path.parent)
     recorded = path.with_name(path.name + ".sha256")
-    digest = _digest(path)
+    digest = toolchain.digest(path)
     if not recorded.exists() or recorded.read_text().strip() != digest:
         raise KernelError(f"kernel {str(path)!r} does not match the sha256 recorded when it was built")
     lib = ctypes.CDLL(str(path))
@@ -228,16 +135,16 @@ def library() -> ctypes.CDLL | None:
             _error = "EAGLE_REQUIRE_KERNEL=1 and EAGLE_NO_KERNEL=1 ask for opposite things"
             raise KernelError(_error)
         return None
-    path = _library_path()
+    path = toolchain.library_path()
     try:
-        private_dir(path.parent)
+        toolchain.private_dir(path.parent)
         if path.exists():
             try:
                 _lib = load(path)
             except OSError as e:  # not the bytes recorded when it was built (KernelError), or unloadable
                 print(f"eagle: {e}; building it again", file=sys.stderr)
         if _lib is None:
-            build(path)
+            toolchain.compile_library(path)
             _lib = load(path)
     except (OSError, AttributeError) as e:  # AttributeError: a library without a function
         _lib, _error = None, str(e) if isinstance(e, KernelError) else f"the CPU kernel could not be loaded ({e})"

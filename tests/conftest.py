@@ -76,16 +76,16 @@ def tiny_tokenizer(make_tokenizer):
 @pytest.fixture(scope="session")
 def avx2_library():
     """The kernel built for AVX2 alone (x86-64-v3), once per test session (kept in the tests' cache)."""
-    from cpu_backend import kernels
+    from cpu_backend import kernels, toolchain
     from eagle.target import cache_root
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(kernels, "FLAGS", [f if f != "-march=native" else "-march=x86-64-v3" for f in kernels.FLAGS])
-        path = cache_root() / "kernels" / f"avx2-{kernels.library_key()}.so"
+        mp.setattr(toolchain, "FLAGS", [f if f != "-march=native" else "-march=x86-64-v3" for f in toolchain.FLAGS])
+        path = cache_root() / "kernels" / f"avx2-{toolchain.library_key()}.so"
         try:
             lib = kernels.load(path)
         except OSError:
-            kernels.build(path)
+            toolchain.compile_library(path)
             lib = kernels.load(path)
     assert not lib.vq_supported() and not lib.amx_enable()
     return lib

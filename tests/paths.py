@@ -15,12 +15,12 @@ def kernel_path_missing(path: str) -> str | None:
     """Why this host cannot run `path`, or None."""
     import platform
 
-    from cpu_backend import kernels, switches
+    from cpu_backend import kernels, switches, toolchain
 
     if not kernels.available():
         return "the C kernel does not build here"
     if path == "avx2" and (platform.machine() not in ("x86_64", "AMD64")
-                           or "avx2" not in kernels._cpu_flags().split()):
+                           or "avx2" not in toolchain.cpu_flags().split()):
         return "not an x86-64 CPU with AVX2"
     on = switches.current()
     if path == "vnni" and not (on.vnni and kernels.vnni_possible()):

@@ -26,7 +26,7 @@ def _probe(cache: Path, **env) -> subprocess.CompletedProcess:
 
 
 def test_a_kernel_is_loaded_only_as_built_and_only_from_a_private_folder(tmp_path):
-    from cpu_backend import kernels
+    from cpu_backend import kernels, toolchain
 
     if not kernels.available():
         pytest.skip("the C kernel does not build here")
@@ -34,7 +34,7 @@ def test_a_kernel_is_loaded_only_as_built_and_only_from_a_private_folder(tmp_pat
     assert "available True" in first.stdout, first.stderr
     folder = tmp_path / "kernels"
     (lib,) = folder.glob("rows_linear-*.so")
-    assert (folder / (lib.name + ".sha256")).read_text().strip() == kernels._digest(lib)
+    assert (folder / (lib.name + ".sha256")).read_text().strip() == toolchain.digest(lib)
     assert folder.stat().st_mode & 0o777 == 0o700
     with pytest.raises(kernels.KernelError, match="does not match the sha256"):
         lib.write_bytes(lib.read_bytes() + b"\0")  # changed after it was built
