@@ -30,7 +30,7 @@ import ctypes
 
 import torch
 
-from cpu_backend import kernels
+from cpu_backend import kernels, weight_layouts
 from cpu_backend.attention import MAX_ROWS
 from cpu_backend.parts import PackedLinear, kernel_rows, linear_as
 from cpu_backend.modules import BackendModule
@@ -146,7 +146,7 @@ class GreedySteps:
         # the kernels' copies behind those addresses, held so that a copy made again (a weight changed in place,
         # then multiplied through the modules) cannot free one these steps still read
         weights = [head.fc.weight, *(m.weight for m in head.layers.modules() if isinstance(m, torch.nn.Linear)), w]
-        self.copies = [dict(kernels.layouts(t).made) for t in weights]
+        self.copies = [dict(weight_layouts.layouts(t).made) for t in weights]
         emb = head.embed_tokens
         # a plain embedding table is read with torch.embedding itself (what its module calls), else the module
         self.table = emb.weight if type(emb) is torch.nn.Embedding and emb.max_norm is None else None

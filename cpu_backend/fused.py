@@ -19,7 +19,7 @@ from transformers import DynamicCache
 from transformers.modeling_outputs import BaseModelOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from cpu_backend import kernels, switches
+from cpu_backend import kernels, switches, weight_layouts
 from cpu_backend.attention import SWITCHED_FROM as ATTENTION_NAMES
 from cpu_backend.attention import MAX_ROWS as ATTENTION_ROWS
 from cpu_backend.modules import BackendModule, row_spans
@@ -416,7 +416,7 @@ def _stack_table(mod: nn.Module, plan: StackPlan, cache: DynamicCache):
     slots = plan.slots
     if slots is None:  # (parameter dict, name) of every weight: the modules' live dicts, so a replaced one is seen
         slots = plan.slots = [(d, name) for layer in mod.layers for d, name in _stack_slots(layer.cpu_plan)]
-    key = [*setting, *((kernels.version(w), w.data_ptr()) for w in (d[name] for d, name in slots))]
+    key = [*setting, *((weight_layouts.version(w), w.data_ptr()) for w in (d[name] for d, name in slots))]
     buffers = [(c._k, c._v) for c in cache.layers]
     made_for = [(k.data_ptr(), v.data_ptr(), k.stride(1)) for k, v in buffers]
     if kept is None or kept[0] != key:
@@ -429,7 +429,7 @@ def _stack_table(mod: nn.Module, plan: StackPlan, cache: DynamicCache):
                                              (gate["weight"], up["weight"], down["weight"])))
         # the layouts behind those addresses, held: a weight changed in place and then multiplied elsewhere gets a new
         # layout, and the old one must outlive the passes that still read it (until this cache is done)
-        copies = [dict(kernels.layouts(d[name]).made) for d, name in slots]
+        copies = [dict(weight_layouts.layouts(d[name]).made) for d, name in slots]
         kept = plan.table = (key, layers, None, None, copies)
     key, layers, table_for, table, copies = kept
     if table_for != made_for:  # the cache's buffers moved (a new cache, or one grown): their addresses again
@@ -457,7 +457,7 @@ def _rotary(mod: nn.Module, plan: StackPlan, x: torch.Tensor, pos: torch.Tensor)
     if getattr(rot, "rope_type", None) != "default" or size <= 0:
         return rot(x, position_ids=pos)
     inv = rot.inv_freq
-    key = (kernels.version(inv), x.dtype, float(rot.attention_scaling))
+    key = (weight_layouts.version(inv), x.dtype, float(rot.attention_scaling))
     table = plan.rope
     if table is not None and table[0] is inv and table[1] == key:
         try:

@@ -22,6 +22,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from cpu_backend.weight_layouts import layouts
+
 QK = 256  # values of a super-block
 BLOCK_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
 TYPE_IDS = {12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}  # ggml's type numbers
@@ -162,9 +164,8 @@ def _row_keys(rows: int, row_values) -> torch.Tensor:
 
 def attach(model: nn.Module, path: str | Path) -> int:
     """Give each float32 weight of `model` that a K-quant tensor of the GGUF file at `path` dequantizes to its codes
-    (`kernels.layouts(weight).kquant = (q, D, m)`, read by `kernels.kquant_codes`); returns how many weights got
+    (`weight_layouts.layouts(weight).kquant = (q, D, m)`, read by `kernels.kquant_codes`); returns how many weights got
     them."""
-    from cpu_backend.kernels import layouts  # kernels decodes through this module: imported here, not at the top
 
     by_shape: dict[tuple, list[torch.Tensor]] = {}
     for p in model.parameters():

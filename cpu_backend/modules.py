@@ -11,7 +11,7 @@ everywhere else (`stock_forward`). Printing a model shows which modules the back
       (q_proj): PackedLinear(Linear)(in_features=576, out_features=576, bias=False; kernel at 1-256 rows)
 
 The kernels' copies of a weight (packed layouts, GGUF codes, screens) are not attributes of anything torch owns
-either: `kernels.layouts(weight)` keeps them beside the weight, for as long as it lives.
+either: `weight_layouts.layouts(weight)` keeps them beside the weight, for as long as it lives.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ from gguf.quants import dequantize
 from test_q4 import VNNI, _byte_products_keep_each_rows_bits, _codes_give_the_float32_bits
 from tiny import tiny_target
 
-from cpu_backend import gguf_codes, kernels
+from cpu_backend import gguf_codes, kernels, weight_layouts
 
 KINDS = ["Q4_K", "Q5_K", "Q6_K"]
 
@@ -44,7 +44,7 @@ def _kquant_weight(out_f: int, in_f: int, generator: torch.Generator, kind: str 
     q, d, m = (torch.from_numpy(a) for a in gguf_codes.decode_blocks(raw, kind))
     q, d, m = q.reshape(out_f, in_f), d.reshape(out_f, in_f // 16), m.reshape(out_f, in_f // 16)
     w = torch.from_numpy(dequantize(raw.reshape(-1), GGMLQuantizationType[kind]).reshape(out_f, in_f)).clone()
-    kernels.layouts(w).kquant = (q, d, m)
+    weight_layouts.layouts(w).kquant = (q, d, m)
     return w
 
 
@@ -93,7 +93,7 @@ def test_codes_are_matched_to_weights_by_rows_through_a_gguf_file(tmp_path):
     for p in (model.a, model.b):
         q, d, m = kernels.kquant_codes(p)
         assert torch.equal(gguf_codes.decode(q, d, m), p)
-    assert kernels.layouts(model.c).kquant is None and not model.c.__dict__
+    assert weight_layouts.layouts(model.c).kquant is None and not model.c.__dict__
 
 
 def test_a_target_with_k_quant_weights_decodes_the_same_with_and_without_the_codes(monkeypatch, kernel_path):
@@ -109,7 +109,7 @@ def test_a_target_with_k_quant_weights_decodes_the_same_with_and_without_the_cod
             if isinstance(mod, torch.nn.Linear) and mod.weight.shape[1] % 256 == 0:
                 w = _kquant_weight(*mod.weight.shape, g, "Q6_K" if mod.weight.shape[0] % 64 else "Q4_K")
                 mod.weight.copy_(w)
-                kernels.layouts(mod.weight).kquant = kernels.layouts(w).kquant
+                weight_layouts.layouts(mod.weight).kquant = weight_layouts.layouts(w).kquant
     dec = SpeculativeDecoder(target, tiny_head(target))
     prompt, layer = [5, 9, 14, 22, 7], target.model.model.layers[0].self_attn.q_proj.weight
     if kernel_path == "vnni":

@@ -5,7 +5,7 @@ count."""
 import pytest
 import torch
 
-from cpu_backend import kernels
+from cpu_backend import kernels, weight_layouts
 from infer import SpeculativeDecoder
 from tests.tiny import tiny_head, tiny_target
 
@@ -56,7 +56,7 @@ def test_a_head_drafting_in_int8_keeps_speculative_decoding_lossless():
     for k in (1, 3):
         assert dec.generate(prompt, max_new_tokens=24, num_speculative_tokens=k).token_ids == greedy
     fc = dec.head.fc.weight
-    assert kernels.layouts(fc).draft and not fc.__dict__  # marked while drafting, beside the weight
+    assert weight_layouts.layouts(fc).draft and not fc.__dict__  # marked while drafting, beside the weight
     kernels.draft_precision([fc])
     with torch.no_grad():
         assert kernels.packed(fc) & 7 == 4
